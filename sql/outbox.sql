@@ -1,0 +1,23 @@
+-- The transactional outbox, as cdc-relay expects it.
+-- Apply once per database: psql "$DSN" -f sql/outbox.sql (idempotent).
+-- An application inserts one row per event in the same transaction as its business change.
+
+CREATE TABLE IF NOT EXISTS outbox_events (
+    id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
+    -- insertion order; the polling relay publishes in this order
+    seq            bigint      GENERATED ALWAYS AS IDENTITY,
+    aggregate_type text        NOT NULL,
+    aggregate_id   text        NOT NULL,
+    event_type     text        NOT NULL,
+    payload        jsonb       NOT NULL,
+    attempts       integer     NOT NULL DEFAULT 0,
+    retry_after    timestamptz,
+    last_error     text,
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    processed_at   timestamptz
+);
+
+-- The polling relay's work queue: only rows not yet published, in insertion order.
+CREATE INDEX IF NOT EXISTS outbox_events_unprocessed
+    ON outbox_events (seq)
+    WHERE processed_at IS NULL;
