@@ -1,0 +1,100 @@
+"""The LSN tracker: which WAL position is safe to confirm to PostgreSQL.
+
+The rule (DESIGN.md, invariant 1): confirm the end LSN of the newest transaction whose
+events, and those of every earlier transaction, Kafka has acknowledged. With nothing in
+flight, the position of the last keepalive may be confirmed, so an idle outbox never pins WAL.
+
+State is one small record per open or unacknowledged transaction holding a count, never the
+events themselves, so memory does not grow with transaction size.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from cdc_relay.lsn import Lsn
+
+
+class Transaction:
+    """The tracker's handle on one transaction; delivery reports hold it as their token."""
+
+    __slots__ = ("committed", "end_lsn", "forgotten", "pending")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.committed = False
+        self.forgotten = False
+        self.end_lsn: Lsn = 0
+
+
+class LsnTracker:
+    """Follows transactions in stream order and acknowledgements in any order."""
+
+    def __init__(self, confirmed: Lsn = 0) -> None:
+        self._confirmed = confirmed
+        self._transactions: deque[Transaction] = deque()
+        self._in_flight = 0
+
+    @property
+    def safe_lsn(self) -> Lsn:
+        """The highest position whose every event Kafka has acknowledged."""
+        return self._confirmed
+
+    @property
+    def in_flight(self) -> int:
+        """Events sent to Kafka and not yet acknowledged."""
+        return self._in_flight
+
+    @property
+    def idle(self) -> bool:
+        """No transaction open or waiting for acknowledgements."""
+        return not self._transactions
+
+    def begin(self) -> Transaction:
+        """A transaction starts in the replication stream."""
+        transaction = Transaction()
+        self._transactions.append(transaction)
+        return transaction
+
+    def sent(self, transaction: Transaction) -> None:
+        """One event of ``transaction`` went to the producer."""
+        transaction.pending += 1
+        self._in_flight += 1
+
+    def acked(self, transaction: Transaction) -> None:
+        """Kafka acknowledged one event of ``transaction``."""
+        if transaction.forgotten:
+            return
+        transaction.pending -= 1
+        self._in_flight -= 1
+        if transaction.pending == 0 and transaction.committed:
+            self._advance()
+
+    def commit(self, transaction: Transaction, end_lsn: Lsn) -> None:
+        """The stream's Commit for ``transaction`` arrived."""
+        transaction.end_lsn = end_lsn
+        transaction.committed = True
+        if transaction.pending == 0:
+            self._advance()
+
+    def keepalive(self, wal_end: Lsn) -> None:
+        """The server reports ``wal_end``: everything before it was sent to us."""
+        if not self._transactions and wal_end > self._confirmed:
+            self._confirmed = wal_end
+
+    def reset(self) -> None:
+        """Forget open and unacknowledged transactions (the stream restarts from ``safe_lsn``).
+
+        Reports that still arrive for forgotten transactions change nothing.
+        """
+        for transaction in self._transactions:
+            transaction.forgotten = True
+        self._transactions.clear()
+        self._in_flight = 0
+
+    def _advance(self) -> None:
+        transactions = self._transactions
+        while transactions and transactions[0].committed and transactions[0].pending == 0:
+            end_lsn = transactions.popleft().end_lsn
+            if end_lsn > self._confirmed:
+                self._confirmed = end_lsn

@@ -1,0 +1,50 @@
+"""Writing events: one INSERT into the outbox inside the caller's own transaction.
+
+with psycopg.connect(dsn) as conn, conn.transaction():
+    conn.execute("INSERT INTO orders ...")
+    write_event(conn, aggregate_type="order", aggregate_id=order_id,
+                event_type="order.created", payload={"total": 42})
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psycopg import Connection, Cursor, sql
+from psycopg.types.json import Jsonb
+
+from cdc_relay.queries import QUERIES
+
+JsonValue = Mapping[str, Any] | Sequence[Any] | str | int | float | bool | None
+
+
+def write_event(
+    target: Connection[Any] | Cursor[Any],
+    *,
+    aggregate_type: str,
+    aggregate_id: str,
+    event_type: str,
+    payload: JsonValue,
+    event_id: uuid.UUID | None = None,
+    table: str = "outbox_events",
+) -> uuid.UUID:
+    """Insert one event; it reaches Kafka if, and only if, the caller's transaction commits.
+
+    ``payload`` is any JSON-serialisable value; ``table`` may be schema-qualified.
+    Returns the event id, the consumers' deduplication key.
+    """
+    event_id = event_id or uuid.uuid4()
+    statement = sql.SQL(QUERIES["insert_event"]).format(table=sql.Identifier(*table.split(".", 1)))
+    target.execute(
+        statement,
+        {
+            "id": event_id,
+            "aggregate_type": aggregate_type,
+            "aggregate_id": aggregate_id,
+            "event_type": event_type,
+            "payload": Jsonb(payload),
+        },
+    )
+    return event_id

@@ -1,0 +1,25 @@
+"""Named SQL queries, loaded from ``sql/queries.sql``.
+
+Each query starts with a ``-- name --`` line and a line of description. Queries that name
+database objects hold ``{placeholders}`` filled with :func:`psycopg.sql.Identifier`.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib.resources import files
+
+_HEADER = re.compile(r"^-- (\w+) --$", re.MULTILINE)
+
+
+def _load() -> dict[str, str]:
+    text = files("cdc_relay").joinpath("sql/queries.sql").read_text()
+    parts = _HEADER.split(text)
+    queries = {}
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
+        lines = [line for line in body.strip().splitlines() if not line.startswith("--")]
+        queries[name] = "\n".join(lines).strip()
+    return queries
+
+
+QUERIES = _load()

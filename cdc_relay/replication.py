@@ -1,0 +1,160 @@
+"""The replication connection: the only code that speaks PostgreSQL's streaming protocol.
+
+Built on ``psycopg.pq``: a ``replication=database`` connection, ``START_REPLICATION ...
+LOGICAL``, then the COPY BOTH stream of XLogData and keepalive messages one way and standby
+status updates the other (PostgreSQL docs, "Streaming Replication Protocol").
+"""
+
+from __future__ import annotations
+
+import select
+import struct
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from psycopg import pq
+from psycopg.conninfo import make_conninfo
+
+from cdc_relay.errors import PreflightError, RelayError, SlotInUseError
+from cdc_relay.events import PG_EPOCH_OFFSET_US
+from cdc_relay.lsn import Lsn, format_lsn
+
+_XLOG_HEADER = struct.Struct("!QQq")  # WAL start, WAL end, server clock
+_KEEPALIVE = struct.Struct("!Qq?")  # WAL end, server clock, reply requested
+_STATUS = struct.Struct("!cQQQq?")  # 'r', written, flushed, applied, client clock, reply
+
+
+class ConnectionLost(RelayError):
+    """The replication connection broke; the relay reconnects."""
+
+
+@dataclass(frozen=True, slots=True)
+class XLogData:
+    wal_start: Lsn
+    wal_end: Lsn
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Keepalive:
+    wal_end: Lsn
+    reply_requested: bool
+
+
+def _now_pg_us() -> int:
+    return time.time_ns() // 1000 - PG_EPOCH_OFFSET_US
+
+
+def _quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _quote_literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+class ReplicationConnection:
+    """One logical replication session on one slot."""
+
+    def __init__(self, dsn: str, application_name: str = "cdc-relay") -> None:
+        conninfo = make_conninfo(dsn, replication="database", application_name=application_name)
+        self._conn = pq.PGconn.connect(conninfo.encode())
+        if self._conn.status != pq.ConnStatus.OK:
+            message = _error_text(self._conn)
+            self._conn.finish()
+            raise ConnectionLost(f"cannot connect to PostgreSQL: {message}; check --dsn")
+
+    def query(self, sql: str) -> list[tuple[str | None, ...]]:
+        """Run a simple query on the replication connection (before streaming starts)."""
+        result = self._conn.exec_(sql.encode())
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            raise ConnectionLost(f"query failed: {_error_text(self._conn)}")
+        return [
+            tuple(
+                None if (v := result.get_value(row, col)) is None else v.decode()
+                for col in range(result.nfields)
+            )
+            for row in range(result.ntuples)
+        ]
+
+    def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
+        """Send START_REPLICATION; the server streams from max(start_lsn, confirmed LSN)."""
+        opts = ", ".join(f"{_quote_ident(k)} {_quote_literal(v)}" for k, v in options.items())
+        command = f"START_REPLICATION SLOT {_quote_ident(slot)} LOGICAL {format_lsn(start_lsn)}" + (
+            f" ({opts})" if opts else ""
+        )
+        self._conn.send_query(command.encode())
+        result = self._conn.get_result()
+        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            sqlstate = result.error_field(pq.DiagnosticField.SQLSTATE) if result else None
+            message = _error_text(self._conn)
+            if sqlstate == b"55006":  # object_in_use
+                raise SlotInUseError(
+                    f"replication slot {slot!r} is in use by another process ({message}); "
+                    "stop the other relay, or give this one its own --slot"
+                )
+            if sqlstate == b"42704":  # undefined_object
+                raise PreflightError(
+                    f"replication slot {slot!r} does not exist; run cdc-relay setup-slot first"
+                )
+            raise ConnectionLost(f"START_REPLICATION failed: {message}")
+
+    def read(self, timeout: float) -> XLogData | Keepalive | None:
+        """The next message from the server, or None if none came within ``timeout`` seconds."""
+        conn = self._conn
+        nbytes, data = conn.get_copy_data(1)
+        if nbytes == 0:
+            try:
+                readable, _, _ = select.select([conn.socket], [], [], timeout)
+            except (OSError, ValueError) as exc:
+                raise ConnectionLost(f"replication connection failed: {exc}") from None
+            if not readable:
+                return None
+            try:
+                conn.consume_input()
+            except Exception as exc:  # noqa: BLE001 - psycopg raises its own OperationalError
+                raise ConnectionLost(f"replication connection lost: {exc}") from None
+            nbytes, data = conn.get_copy_data(1)
+            if nbytes == 0:
+                return None
+        if nbytes < 0:
+            self._raise_end()
+        kind = data[0]
+        if kind == 0x77:  # 'w' XLogData
+            wal_start, wal_end, _clock = _XLOG_HEADER.unpack_from(data, 1)
+            return XLogData(wal_start, wal_end, bytes(data[25:]))
+        if kind == 0x6B:  # 'k' primary keepalive
+            wal_end, _clock, reply = _KEEPALIVE.unpack_from(data, 1)
+            return Keepalive(wal_end, reply)
+        raise ConnectionLost(f"unexpected replication message type {bytes(data[:1])!r}")
+
+    def send_status(self, written: Lsn, flushed: Lsn) -> None:
+        """Standby status update: ``flushed`` becomes the slot's confirmed_flush_lsn."""
+        message = _STATUS.pack(b"r", written, flushed, flushed, _now_pg_us(), False)
+        try:
+            sent = self._conn.put_copy_data(message) == 1 and self._conn.flush() == 0
+        except Exception as exc:  # noqa: BLE001 - psycopg raises its own OperationalError
+            raise ConnectionLost(f"cannot send status: {exc}") from None
+        if not sent:
+            raise ConnectionLost(f"cannot send status: {_error_text(self._conn)}")
+
+    def close(self) -> None:
+        """End the COPY and the connection; the slot becomes free at once."""
+        try:
+            self._conn.put_copy_end()
+            self._conn.flush()
+        except Exception:  # noqa: BLE001, S110 - closing a broken connection is best effort
+            pass
+        self._conn.finish()
+
+    def _raise_end(self) -> None:
+        result = self._conn.get_result()
+        message = _error_text(self._conn)
+        if result is not None and result.status == pq.ExecStatus.FATAL_ERROR:
+            message = (result.error_message or b"").decode(errors="replace").strip() or message
+        raise ConnectionLost(f"replication stream ended: {message or 'server closed it'}")
+
+
+def _error_text(conn: pq.abc.PGconn) -> str:
+    return conn.error_message.decode(errors="replace").strip() or "no message"

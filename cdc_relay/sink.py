@@ -1,0 +1,151 @@
+"""The Kafka side: an idempotent confluent-kafka producer with delivery reports.
+
+The sink never flushes per message. ``offer`` returns False when the local queue is full, so
+the caller can keep the replication connection alive while it waits (back-pressure).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
+from cdc_relay.routing import Message
+
+log = logging.getLogger(__name__)
+
+# Settings the relay's guarantees rest on; a user may not weaken them.
+REQUIRED = {"enable.idempotence": "true", "acks": "all"}
+
+DEFAULTS = {
+    "client.id": "cdc-relay",
+    "compression.type": "lz4",
+    "linger.ms": "10",
+    # Java clients' partitioner: a key lands where Debezium and Java producers put it.
+    "partitioner": "murmur2_random",
+    # Retriable failures (broker down) are retried until the broker is back: the relay waits,
+    # it does not drop or crash. Permanent refusals still come back at once.
+    "message.timeout.ms": "0",
+    "queue.buffering.max.messages": "100000",
+    "queue.buffering.max.kbytes": "131072",
+}
+
+
+def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, str]:
+    """The producer configuration: our defaults, the user's settings, then the guarantees."""
+    for key, required in REQUIRED.items():
+        given = overrides.get(key)
+        if given is not None and given.lower() not in (required, "-1"):
+            raise UsageError(
+                f"--kafka-config {key}={given} would let events be lost or reordered; "
+                f"cdc-relay needs {key}={required}: remove the setting"
+            )
+    return {**DEFAULTS, "bootstrap.servers": bootstrap, **overrides, **REQUIRED}
+
+
+Acked = Callable[[Any], None]
+
+
+class KafkaSink:
+    """Produces routed messages and reports each acknowledgement with the caller's token."""
+
+    def __init__(self, config: Mapping[str, str], on_ack: Acked) -> None:
+        self._config = dict(config)
+        self._on_ack = on_ack
+        self.failure: DeliveryError | None = None
+        self.connected = False
+        try:
+            self._producer = Producer({**self._config, "error_cb": self._on_error})
+        except KafkaException as exc:
+            raise UsageError(f"Kafka client settings: {exc.args[0].str()}") from None
+
+    def check_reachable(self, timeout: float) -> None:
+        """Fail fast, with a remedy, when no broker answers."""
+        try:
+            self._producer.list_topics(timeout=timeout)
+        except KafkaException:
+            raise KafkaUnavailableError(
+                f"no Kafka broker answered at {self._config['bootstrap.servers']} within "
+                f"{timeout:g}s; check --kafka-bootstrap and that the broker is running"
+            ) from None
+        self.connected = True
+
+    def offer(self, message: Message, token: Any) -> bool:
+        """Hand a message to the producer; False when its queue is full (poll, then retry)."""
+        try:
+            self._producer.produce(
+                message.topic,
+                value=message.value,
+                key=message.key,
+                headers=cast(list[tuple[str, str | bytes | None]], message.headers),
+                on_delivery=functools.partial(self._delivered, token),
+            )
+        except BufferError:
+            return False
+        except KafkaException as exc:
+            raise _refused(message, exc.args[0]) from None
+        return True
+
+    def poll(self, timeout: float = 0) -> None:
+        """Serve delivery reports (calls ``on_ack``); raise if Kafka refused an event."""
+        self._producer.poll(timeout)
+        if self.failure is not None:
+            raise self.failure
+
+    def in_flight(self) -> int:
+        """Messages handed to the producer and not yet reported."""
+        return len(self._producer)
+
+    def close(self, timeout: float) -> int:
+        """Wait up to ``timeout`` for outstanding reports; return how many are left."""
+        return int(self._producer.flush(timeout))
+
+    def _delivered(self, token: Any, err: KafkaError | None, msg: Any) -> None:
+        if err is None:
+            self.connected = True
+            self._on_ack(token)
+        elif self.failure is None:
+            headers = dict(msg.headers() or [])
+            self.failure = _refused(
+                Message(msg.topic(), msg.key(), None, list(headers.items())), err
+            )
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.connected = False
+            log.warning("kafka unreachable, retrying", extra={"action": "kafka_down"})
+        elif err.fatal():
+            self.failure = DeliveryError(f"Kafka producer failed: {err.str()}")
+        else:
+            log.warning("kafka: %s", err.str(), extra={"action": "kafka_error"})
+
+
+def _refused(message: Message, err: KafkaError) -> DeliveryError:
+    headers = dict(message.headers)
+    event_id = headers.get("id", b"?").decode(errors="replace")
+    event_type = headers.get("event_type", b"?").decode(errors="replace")
+    aggregate_id = message.key.decode(errors="replace") if message.key else "?"
+    remedy = {
+        KafkaError.MSG_SIZE_TOO_LARGE: "raise message.max.bytes (broker or topic) and "
+        "--kafka-config message.max.bytes, or make the event smaller",
+        KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the relay's principal WRITE on the topic",
+    }.get(err.code(), "fix the cause and restart the relay; it resumes from this event")
+    error = DeliveryError(
+        f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "
+        f"for topic {message.topic}: {err.str()}; {remedy}"
+    )
+    log.error(
+        "event refused",
+        extra={
+            "action": "event_refused",
+            "event_id": event_id,
+            "event_type": event_type,
+            "aggregate_id": aggregate_id,
+            "error": err.str(),
+        },
+    )
+    return error

@@ -1,0 +1,195 @@
+"""The database side of set-up: preflight checks, publication and slot, their status."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import dict_row
+
+from cdc_relay.errors import PreflightError
+from cdc_relay.queries import QUERIES
+
+PLUGINS = ("pgoutput", "wal2json")
+MIN_VERSION_NUM = 140000
+
+
+@dataclass(frozen=True)
+class SlotSpec:
+    """What set-up creates: names and plugin."""
+
+    slot: str
+    publication: str
+    table: str
+    plugin: str = "pgoutput"
+
+
+@dataclass
+class SetupReport:
+    """What set-up found and did, in sentences for the user."""
+
+    done: list[str]
+    existing: list[str]
+    statements: list[str]
+
+
+def connect(dsn: str) -> psycopg.Connection[dict[str, Any]]:
+    """A plain (non-replication) connection, with a remedy when it fails."""
+    try:
+        return psycopg.connect(dsn, autocommit=True, row_factory=dict_row)
+    except psycopg.OperationalError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        raise PreflightError(f"cannot connect to PostgreSQL: {first_line}; check --dsn") from None
+
+
+def _one(conn: psycopg.Connection[dict[str, Any]], name: str, **params: Any) -> dict[str, Any]:
+    row = conn.execute(QUERIES[name], params).fetchone()
+    return row or {}
+
+
+def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
+    """Check everything logical replication of the outbox needs; return the table's name.
+
+    Raises PreflightError with a remedy for the first unmet condition.
+    """
+    server = _one(conn, "server")
+    if server["version_num"] < MIN_VERSION_NUM:
+        raise PreflightError(
+            f"PostgreSQL {server['version']} is too old; cdc-relay needs 14 or newer"
+        )
+    if server["wal_level"] != "logical":
+        raise PreflightError(
+            f"wal_level is '{server['wal_level']}'; set wal_level = logical in "
+            "postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+        )
+    role = _one(conn, "role")
+    if not role.get("can_replicate"):
+        raise PreflightError(
+            f"role {server['role']} lacks REPLICATION; run ALTER ROLE {server['role']} "
+            "REPLICATION as a superuser (on managed services: grant the provider's "
+            "replication role)"
+        )
+    table = _one(conn, "table", table=spec.table)
+    if not table:
+        raise PreflightError(
+            f"table {spec.table} does not exist in database {server['database']}; "
+            "create it with sql/outbox.sql, or name yours with --table"
+        )
+    slot = _one(conn, "slot", slot=spec.slot)
+    if not slot and server["slots_used"] >= server["max_slots"]:
+        raise PreflightError(
+            f"all {server['max_slots']} replication slots are in use; raise "
+            "max_replication_slots in postgresql.conf and restart, or drop an unused slot"
+        )
+    if server["senders_used"] >= server["max_senders"]:
+        raise PreflightError(
+            f"all {server['max_senders']} WAL senders are busy; raise max_wal_senders in "
+            "postgresql.conf and restart PostgreSQL"
+        )
+    publication = _one(conn, "publication", publication=spec.publication)
+    if not publication and not (table["owned"] and role["can_create"]):
+        raise PreflightError(
+            f"role {server['role']} cannot create a publication on {table['name']} (it must "
+            "own the table and have CREATE on the database); run setup-slot as the table's "
+            "owner, or have an administrator create the publication"
+        )
+    return str(table["name"])
+
+
+def setup(dsn: str, spec: SlotSpec, dry_run: bool = False) -> SetupReport:
+    """Idempotently create the publication and the slot after preflight."""
+    report = SetupReport(done=[], existing=[], statements=[])
+    with connect(dsn) as conn:
+        table = preflight(conn, spec)
+        database = _one(conn, "server")["database"]
+
+        publication = _one(conn, "publication", publication=spec.publication)
+        if publication:
+            _check_publication(spec, table, publication)
+            report.existing.append(f"publication {spec.publication} on {table}")
+        else:
+            statement = sql.SQL(QUERIES["create_publication"]).format(
+                publication=sql.Identifier(spec.publication),
+                table=sql.SQL(table),  # quoted by the table query's format('%I.%I')
+            )
+            report.statements.append(statement.as_string(conn) + ";")
+            if not dry_run:
+                conn.execute(statement)
+                report.done.append(f"created publication {spec.publication} on {table}")
+
+        slot = _one(conn, "slot", slot=spec.slot)
+        if slot:
+            _check_slot(spec, database, slot)
+            report.existing.append(
+                f"slot {spec.slot} ({slot['plugin']}), confirmed up to "
+                f"{slot['confirmed_flush_lsn']}"
+            )
+        else:
+            params = {"slot": spec.slot, "plugin": spec.plugin}
+            report.statements.append(
+                f"SELECT pg_create_logical_replication_slot({sql.quote(spec.slot)}, "
+                f"{sql.quote(spec.plugin)});"
+            )
+            if not dry_run:
+                row = conn.execute(QUERIES["create_slot"], params).fetchone()
+                lsn = row["lsn"] if row else "?"
+                report.done.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
+    return report
+
+
+def _check_publication(spec: SlotSpec, table: str, publication: dict[str, Any]) -> None:
+    if not publication["all_tables"] and table not in publication["tables"]:
+        raise PreflightError(
+            f"publication {spec.publication} exists but does not publish {table}; run "
+            f"ALTER PUBLICATION {spec.publication} ADD TABLE {table}, or choose another "
+            "--publication"
+        )
+    if not publication["inserts"]:
+        raise PreflightError(
+            f"publication {spec.publication} does not publish inserts; run ALTER PUBLICATION "
+            f"{spec.publication} SET (publish = 'insert')"
+        )
+
+
+def _check_slot(spec: SlotSpec, database: str, slot: dict[str, Any]) -> None:
+    if slot["slot_type"] != "logical" or slot["database"] != database:
+        raise PreflightError(
+            f"slot {spec.slot} exists but is not a logical slot of database {database}; "
+            "choose another --slot"
+        )
+    if slot["plugin"] != spec.plugin:
+        raise PreflightError(
+            f"slot {spec.slot} exists with plugin {slot['plugin']}, not {spec.plugin}; pass "
+            f"--plugin {slot['plugin']}, or drop it with cdc-relay drop-slot"
+        )
+
+
+def status(dsn: str, slot_name: str) -> dict[str, Any]:
+    """The slot's row of pg_replication_slots (empty when it does not exist)."""
+    with connect(dsn) as conn:
+        return _one(conn, "slot", slot=slot_name)
+
+
+def drop(dsn: str, spec: SlotSpec) -> list[str]:
+    """Drop the slot and the publication; return what was removed."""
+    removed = []
+    with connect(dsn) as conn:
+        slot = _one(conn, "slot", slot=spec.slot)
+        if slot:
+            if slot["active"]:
+                raise PreflightError(
+                    f"slot {spec.slot} is in use by process {slot['active_pid']}; "
+                    "stop the relay first"
+                )
+            conn.execute(QUERIES["drop_slot"], {"slot": spec.slot})
+            removed.append(f"slot {spec.slot}")
+        if _one(conn, "publication", publication=spec.publication):
+            conn.execute(
+                sql.SQL(QUERIES["drop_publication"]).format(
+                    publication=sql.Identifier(spec.publication)
+                )
+            )
+            removed.append(f"publication {spec.publication}")
+    return removed

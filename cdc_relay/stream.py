@@ -1,0 +1,293 @@
+"""The CDC relay: the one place that wires replication -> decode -> route -> sink -> tracker.
+
+Single-threaded on purpose: delivery reports are served by ``poll`` on this thread, so the
+tracker needs no locks, and the order of events is the order of the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+from cdc_relay import pgoutput
+from cdc_relay.checkpoint import LsnTracker, Transaction
+from cdc_relay.errors import DecodeError, PreflightError, RelayError
+from cdc_relay.events import Begin, Commit, Insert, Record, Relation, RowMapper
+from cdc_relay.lsn import Lsn, format_lsn
+from cdc_relay.queries import QUERIES
+from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
+from cdc_relay.routing import Message, Router
+from cdc_relay.sink import KafkaSink
+from cdc_relay.slot import connect
+
+log = logging.getLogger(__name__)
+
+_READ_TIMEOUT = 0.1  # seconds without data before serving delivery reports and timers
+_RECONNECT_MAX = 10.0
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    dsn: str
+    slot: str
+    publication: str
+    table: str
+    kafka_config: dict[str, str]
+    topic_template: str
+    status_interval: float = 10.0
+    shutdown_timeout: float = 30.0
+    kafka_timeout: float = 15.0
+    progress_interval: float = 10.0
+
+
+@dataclass
+class Progress:
+    events: int = 0
+    transactions: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class _Stopping(Exception):
+    """A stop was requested while waiting on a full producer queue."""
+
+
+class StreamRelay:
+    """Streams one slot to Kafka until stopped; confirms only acknowledged positions."""
+
+    def __init__(self, settings: StreamSettings) -> None:
+        self.settings = settings
+        self.tracker = LsnTracker()
+        self.router = Router(settings.topic_template)
+        self.sink = KafkaSink(settings.kafka_config, on_ack=self.tracker.acked)
+        self.progress = Progress()
+        self._table: tuple[str, str] = ("", "")
+        self._stop = False
+        self._conn: ReplicationConnection | None = None
+        self._mappers: dict[int, RowMapper | None] = {}
+        self._begin: Begin | None = None
+        self._transaction: Transaction | None = None
+        self._received: Lsn = 0
+        self._last_status = 0.0
+        self._last_progress = time.monotonic()
+        self._sent_flush: Lsn = -1
+
+    def request_stop(self) -> None:
+        """Stop reading, wait (bounded) for acks, confirm, return from ``run``. Signal-safe."""
+        self._stop = True
+
+    def run(self) -> None:
+        """Stream until ``request_stop``; raise RelayError on a failure the user must fix."""
+        self._table = self._check_database()
+        self.sink.check_reachable(self.settings.kafka_timeout)
+        self._conn = self._open()
+        log.info(
+            "streaming",
+            extra={"action": "start", "slot": self.settings.slot, "lsn": format_lsn(0)},
+        )
+        try:
+            while not self._stop:
+                try:
+                    self._pump()
+                except ConnectionLost as exc:
+                    log.warning(str(exc), extra={"action": "disconnected"})
+                    self._recover()
+        except _Stopping:
+            pass
+        finally:
+            self._shutdown()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _pump(self) -> None:
+        conn = self._require_conn()
+        tracker = self.tracker
+        sink = self.sink
+        while not self._stop:
+            message = conn.read(_READ_TIMEOUT)
+            if message is None:
+                pass
+            elif isinstance(message, Keepalive):
+                self._received = max(self._received, message.wal_end)
+                tracker.keepalive(message.wal_end)
+                if message.reply_requested:
+                    self._send_status(force=True)
+            else:
+                self._received = max(self._received, message.wal_end)
+                try:
+                    record = pgoutput.decode(message.data)
+                except DecodeError as exc:
+                    raise RelayError(
+                        f"cannot decode pgoutput message at {format_lsn(message.wal_start)}: "
+                        f"{exc}; this is a bug, please report it with the PostgreSQL version"
+                    ) from None
+                self._handle(record)
+            sink.poll(0)
+            self._send_status()
+
+    def _handle(self, record: Record) -> None:
+        if isinstance(record, Insert):
+            if record.relid not in self._mappers or self._begin is None:
+                raise RelayError(
+                    f"insert into relation {record.relid} arrived before its Relation or Begin "
+                    "message; this is a bug, please report it"
+                )
+            mapper = self._mappers[record.relid]
+            if mapper is None or self._transaction is None:
+                return  # a row of another table in the publication
+            event = mapper.event(record, self._begin)
+            self._send(self.router.route(event), self._transaction)
+        elif isinstance(record, Begin):
+            self._begin = record
+            self._transaction = self.tracker.begin()
+        elif isinstance(record, Commit):
+            if self._transaction is not None:
+                self.tracker.commit(self._transaction, record.end_lsn)
+                self.progress.transactions += 1
+            self._begin = None
+            self._transaction = None
+        elif isinstance(record, Relation):
+            ours = (record.namespace, record.name) == self._table
+            self._mappers[record.relid] = RowMapper.for_relation(record) if ours else None
+
+    def _send(self, message: Message, transaction: Transaction) -> None:
+        self.tracker.sent(transaction)
+        while not self.sink.offer(message, transaction):
+            # Queue full: wait for acks, but keep the walsender's timeout from firing.
+            self.sink.poll(0.05)
+            self._send_status()
+            if self._stop:
+                raise _Stopping
+        self.progress.events += 1
+
+    def _send_status(self, force: bool = False) -> None:
+        now = time.monotonic()
+        since = now - self._last_status
+        safe = self.tracker.safe_lsn
+        if (
+            force
+            or since >= self.settings.status_interval
+            or (safe != self._sent_flush and since >= 1.0)
+        ):
+            self._require_conn().send_status(max(self._received, safe), safe)
+            self._last_status = now
+            self._sent_flush = safe
+        if now - self._last_progress >= self.settings.progress_interval:
+            self._last_progress = now
+            self._log_progress()
+
+    def _log_progress(self) -> None:
+        log.info(
+            "progress: %d events in %d transactions, %d in flight, confirmed %s",
+            self.progress.events,
+            self.progress.transactions,
+            self.tracker.in_flight,
+            format_lsn(self.tracker.safe_lsn),
+            extra={"action": "progress", "lsn": format_lsn(self.tracker.safe_lsn)},
+        )
+
+    # -- connections ----------------------------------------------------------------------
+
+    def _check_database(self) -> tuple[str, str]:
+        """Slot, publication and table exist as ``stream`` needs them; return the table."""
+        with connect(self.settings.dsn) as conn:
+            slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
+            if not slot:
+                raise PreflightError(
+                    f"replication slot {self.settings.slot!r} does not exist; "
+                    "run cdc-relay setup-slot first"
+                )
+            if slot["plugin"] != "pgoutput":
+                raise PreflightError(
+                    f"slot {self.settings.slot} uses {slot['plugin']}, which stream does not "
+                    "decode yet; create a pgoutput slot with cdc-relay setup-slot"
+                )
+            publication = conn.execute(
+                QUERIES["publication"], {"publication": self.settings.publication}
+            ).fetchone()
+            if not publication:
+                raise PreflightError(
+                    f"publication {self.settings.publication!r} does not exist; "
+                    "run cdc-relay setup-slot first"
+                )
+            table = conn.execute(QUERIES["table_name"], {"table": self.settings.table}).fetchone()
+            if not table:
+                raise PreflightError(f"table {self.settings.table} does not exist; check --table")
+            return (str(table["schema"]), str(table["name"]))
+
+    def _open(self) -> ReplicationConnection:
+        conn = ReplicationConnection(self.settings.dsn)
+        try:
+            conn.start(
+                self.settings.slot,
+                self.tracker.safe_lsn,
+                {"proto_version": "1", "publication_names": self.settings.publication},
+            )
+        except BaseException:
+            conn.close()
+            raise
+        self._last_status = 0.0
+        return conn
+
+    def _recover(self) -> None:
+        """After a lost connection: settle what is in flight, forget the rest, reconnect."""
+        self._close_conn()
+        self._drain(self.settings.shutdown_timeout, confirm=False)
+        self.tracker.reset()
+        self._mappers.clear()
+        self._begin = None
+        self._transaction = None
+        delay = 0.5
+        while not self._stop:
+            try:
+                self._conn = self._open()
+            except (ConnectionLost, RelayError) as exc:
+                log.warning(
+                    "reconnect failed, retrying in %.1fs: %s",
+                    delay,
+                    exc,
+                    extra={"action": "reconnect_failed"},
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, _RECONNECT_MAX) * random.uniform(0.8, 1.2)  # noqa: S311
+            else:
+                log.info(
+                    "reconnected",
+                    extra={"action": "reconnected", "lsn": format_lsn(self.tracker.safe_lsn)},
+                )
+                return
+
+    def _drain(self, timeout: float, confirm: bool) -> None:
+        deadline = time.monotonic() + timeout
+        while self.tracker.in_flight and time.monotonic() < deadline:
+            self.sink.poll(0.1)
+            if confirm and self._conn is not None:
+                self._send_status()
+
+    def _shutdown(self) -> None:
+        try:
+            if self._conn is not None:
+                self._drain(self.settings.shutdown_timeout, confirm=True)
+                self._send_status(force=True)
+        except (ConnectionLost, RelayError) as exc:
+            log.warning("could not confirm the final position: %s", exc)
+        finally:
+            self._close_conn()
+            left = self.sink.close(0)
+            self._log_progress()
+            log.info(
+                "stopped; %d events not acknowledged will be sent again on restart",
+                left,
+                extra={"action": "stop", "lsn": format_lsn(self.tracker.safe_lsn)},
+            )
+
+    def _close_conn(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _require_conn(self) -> ReplicationConnection:
+        if self._conn is None:
+            raise ConnectionLost("not connected")
+        return self._conn
