@@ -1,0 +1,116 @@
+"""Capture real pgoutput messages for the decoder's unit tests.
+
+    python tests/tools/capture_pgoutput.py "host=... dbname=..." tests/unit/data/pgoutput.jsonl
+
+Runs a small workload on a scratch table set, streams it through a temporary slot with
+``messages 'true'`` and writes one JSON line per XLogData message: the label of the step that
+caused it and the message bytes in hex. Needs a database where sql/outbox.sql was applied.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import psycopg
+
+from cdc_relay import pgoutput
+from cdc_relay.events import Begin
+from cdc_relay.lsn import parse
+from cdc_relay.replication import ReplicationConnection, XLogData
+
+SLOT = "capture_pgoutput"
+PUBLICATION = "capture_pgoutput"
+
+STEPS = [
+    (
+        "single insert",
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+        "VALUES ('6f1c1b7e-2a51-4c43-9d0e-3f5d2b8a9c01', 'order', 'o-1', 'order.created', "
+        """'{"total": 42, "items": [1, 2]}')""",
+    ),
+    (
+        "two inserts in one transaction",
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) VALUES "
+        """('order', 'o-2', 'order.created', '{"n": 1}'), """
+        """('customer', 'c-1', 'customer.updated', '{"n": 2}')""",
+    ),
+    (
+        "non-ascii payload",
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) VALUES "
+        """('order', 'ö-3', 'order.créé', '{"name": "Zoë 😀", "city": "Łódź"}')""",
+    ),
+    (
+        "toasted payload",
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT 'order', 'o-4', 'order.big', jsonb_build_object('blob', "
+        "string_agg(md5(i::text), '')) FROM generate_series(1, 200) i",
+    ),
+    (
+        "insert then delete",
+        "WITH e AS (INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, "
+        """payload) VALUES ('order', 'o-5', 'order.shipped', '{}') RETURNING id) """
+        "DELETE FROM outbox_events WHERE id IN (SELECT id FROM e)",
+    ),
+    ("update", "UPDATE outbox_events SET attempts = attempts + 1 WHERE aggregate_id = 'o-1'"),
+    ("delete", "DELETE FROM outbox_events WHERE aggregate_id = 'o-2'"),
+    ("add column", "ALTER TABLE outbox_events ADD COLUMN IF NOT EXISTS tenant text"),
+    (
+        "insert after schema change",
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, tenant) "
+        """VALUES ('order', 'o-6', 'order.created', '{"v": 2}', 't-1')""",
+    ),
+    ("drop column", "ALTER TABLE outbox_events DROP COLUMN IF EXISTS tenant"),
+    (
+        "logical message",
+        """SELECT pg_logical_emit_message(true, 'outbox', '{"id": "m-1"}')""",
+    ),
+    ("truncate", "TRUNCATE outbox_events"),
+]
+
+
+def main(dsn: str, out: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
+        conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE outbox_events")
+        conn.execute(
+            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+            "WHERE slot_name = %s",
+            (SLOT,),
+        )
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
+        marks = []
+        for label, statement in STEPS:
+            conn.execute(statement)
+            lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            marks.append((label, lsn[0] if lsn else ""))
+    stream = ReplicationConnection(dsn)
+    stream.start(
+        SLOT,
+        0,
+        {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"},
+    )
+    records = []
+    label = ""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        message = stream.read(0.5)
+        if isinstance(message, XLogData):
+            if message.data[:1] == b"B":
+                # The step is the first whose end mark lies past this transaction's commit.
+                record = pgoutput.decode(message.data)
+                assert isinstance(record, Begin)
+                label = next(name for name, mark in marks if parse(mark) > record.final_lsn)
+            records.append({"step": label, "hex": message.data.hex()})
+    stream.close()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (SLOT,))
+        conn.execute(f"DROP PUBLICATION {PUBLICATION}")
+    with open(out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    print(f"{len(records)} messages written to {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cdc_relay.config import env, kafka_settings
+from cdc_relay.errors import UsageError
+from cdc_relay.lsn import format_lsn, parse
+from cdc_relay.sink import producer_config
+
+
+def test_lsn_round_trip() -> None:
+    assert parse("16/B374D848") == (0x16 << 32) | 0xB374D848
+    assert format_lsn(parse("0/1928D70")) == "0/1928D70"
+    with pytest.raises(UsageError):
+        parse("12345")
+
+
+def test_env_names() -> None:
+    assert env("--kafka-bootstrap") == "CDC_RELAY_KAFKA_BOOTSTRAP"
+
+
+def test_kafka_settings_file_then_pairs(tmp_path: Path) -> None:
+    props = tmp_path / "client.properties"
+    props.write_text("# comment\nsecurity.protocol = SSL\nlinger.ms=5\n")
+    settings = kafka_settings(["linger.ms=50"], props)
+    assert settings == {"security.protocol": "SSL", "linger.ms": "50"}
+    with pytest.raises(UsageError):
+        kafka_settings(["novalue"], None)
+
+
+def test_producer_config_keeps_the_guarantees() -> None:
+    config = producer_config("k:9092", {"compression.type": "zstd"})
+    assert config["enable.idempotence"] == "true"
+    assert config["acks"] == "all"
+    assert config["partitioner"] == "murmur2_random"
+    assert config["compression.type"] == "zstd"
+    with pytest.raises(UsageError, match="acks"):
+        producer_config("k:9092", {"acks": "1"})
+    with pytest.raises(UsageError, match="enable.idempotence"):
+        producer_config("k:9092", {"enable.idempotence": "false"})
