@@ -38,5 +38,5 @@ def test_producer_config_keeps_the_guarantees() -> None:
     assert config["compression.type"] == "zstd"
     with pytest.raises(UsageError, match="acks"):
         producer_config("k:9092", {"acks": "1"})
-    with pytest.raises(UsageError, match="enable.idempotence"):
+    with pytest.raises(UsageError, match=r"enable\.idempotence"):
         producer_config("k:9092", {"enable.idempotence": "false"})
