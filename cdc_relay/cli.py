@@ -171,6 +171,13 @@ def drop_slot(dsn: str, slot: str, publication: str, table: str, yes: bool) -> N
     show_default=True,
     help="Seconds to wait for Kafka's acks when stopping.",
 )
+@_option(
+    "--kafka-timeout",
+    type=click.FloatRange(0.1, 3600),
+    default=15.0,
+    show_default=True,
+    help="Seconds to wait for a broker to answer at start-up.",
+)
 @log_options
 def stream(
     dsn: str,
@@ -183,6 +190,7 @@ def stream(
     topic_template: str,
     status_interval: float,
     shutdown_timeout: float,
+    kafka_timeout: float,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -202,6 +210,7 @@ def stream(
         topic_template=topic_template,
         status_interval=status_interval,
         shutdown_timeout=shutdown_timeout,
+        kafka_timeout=kafka_timeout,
     )
     relay = StreamRelay(settings)
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -17,6 +17,8 @@ from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
 from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
+# librdkafka's own lines, through our handlers instead of raw stderr
+_KAFKA_LOG = logging.getLogger("cdc_relay.kafka")
 
 # Settings the relay's guarantees rest on; a user may not weaken them.
 REQUIRED = {"enable.idempotence": "true", "acks": "all"}
@@ -59,7 +61,9 @@ class KafkaSink:
         self.failure: DeliveryError | None = None
         self.connected = False
         try:
-            self._producer = Producer({**self._config, "error_cb": self._on_error})
+            self._producer = Producer(
+                {**self._config, "error_cb": self._on_error, "logger": _KAFKA_LOG}
+            )
         except KafkaException as exc:
             raise UsageError(f"Kafka client settings: {exc.args[0].str()}") from None
 

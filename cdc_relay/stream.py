@@ -79,12 +79,14 @@ class StreamRelay:
 
     def run(self) -> None:
         """Stream until ``request_stop``; raise RelayError on a failure the user must fix."""
-        self._table = self._check_database()
+        self._table, confirmed = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
         self._conn = self._open()
         log.info(
-            "streaming",
-            extra={"action": "start", "slot": self.settings.slot, "lsn": format_lsn(0)},
+            "streaming slot %s from %s",
+            self.settings.slot,
+            confirmed,
+            extra={"action": "start", "slot": self.settings.slot, "lsn": confirmed},
         )
         try:
             while not self._stop:
@@ -189,8 +191,11 @@ class StreamRelay:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _check_database(self) -> tuple[str, str]:
-        """Slot, publication and table exist as ``stream`` needs them; return the table."""
+    def _check_database(self) -> tuple[tuple[str, str], str]:
+        """Slot, publication and table exist as ``stream`` needs them.
+
+        Returns the table's (schema, name) and the slot's confirmed position.
+        """
         with connect(self.settings.dsn) as conn:
             slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
             if not slot:
@@ -214,7 +219,7 @@ class StreamRelay:
             table = conn.execute(QUERIES["table_name"], {"table": self.settings.table}).fetchone()
             if not table:
                 raise PreflightError(f"table {self.settings.table} does not exist; check --table")
-            return (str(table["schema"]), str(table["name"]))
+            return (str(table["schema"]), str(table["name"])), str(slot["confirmed_flush_lsn"])
 
     def _open(self) -> ReplicationConnection:
         conn = ReplicationConnection(self.settings.dsn)

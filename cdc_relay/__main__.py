@@ -1,0 +1,7 @@
+"""``python -m cdc_relay``: the same as the ``cdc-relay`` command."""
+
+from __future__ import annotations
+
+from cdc_relay.cli import main
+
+main()

@@ -1,0 +1,415 @@
+"""Helpers of the integration tests: run the relay as a process, write events, read Kafka,
+and compare what was committed with what Kafka holds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from cdc_relay import pgoutput
+from cdc_relay.events import Insert
+from cdc_relay.outbox import write_event
+from cdc_relay.slot import SlotSpec, setup
+
+# -- the relay process ------------------------------------------------------------------------
+
+
+class RelayProcess:
+    """``cdc-relay stream`` as a child process, configured through CDC_RELAY_* variables."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], name: str = "relay") -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.log_dir / f"{self.name}-{self.runs}.log"
+
+    def start(self) -> RelayProcess:
+        self.runs += 1
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cdc_relay", "stream"],
+            env={**os.environ, **self.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        return self
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait(10)
+
+    def stop(self, timeout: float = 60) -> int:
+        self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        return "\n".join(
+            (self.log_dir / f"{self.name}-{run}.log").read_text(errors="replace")
+            for run in range(1, self.runs + 1)
+        )
+
+    def close(self) -> None:
+        if self.alive():
+            self.kill()
+
+
+def relay_env(dsn: str, bootstrap: str, names: Any, **extra: str) -> dict[str, str]:
+    env = {
+        "CDC_RELAY_DSN": dsn,
+        "CDC_RELAY_SLOT": names.slot,
+        "CDC_RELAY_PUBLICATION": names.publication,
+        "CDC_RELAY_KAFKA_BOOTSTRAP": bootstrap,
+        "CDC_RELAY_TOPIC_TEMPLATE": names.topic_prefix + ".{aggregate_type}",
+        "CDC_RELAY_STATUS_INTERVAL": "1",
+        "CDC_RELAY_SHUTDOWN_TIMEOUT": "10",
+    }
+    env.update({f"CDC_RELAY_{k.upper()}": v for k, v in extra.items()})
+    return env
+
+
+def setup_slot(dsn: str, names: Any) -> None:
+    setup(dsn, SlotSpec(slot=names.slot, publication=names.publication, table="outbox_events"))
+
+
+def slot_row(dsn: str, slot: str) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(
+            "SELECT active, confirmed_flush_lsn, "
+            "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint AS retained "
+            "FROM pg_replication_slots WHERE slot_name = %s",
+            (slot,),
+        )
+        row = cur.fetchone()
+        assert row is not None, f"slot {slot} is gone"
+        return {"active": row[0], "confirmed": row[1], "retained": row[2]}
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def wait_slot(dsn: str, slot: str, active: bool, timeout: float = 30) -> None:
+    wait_until(
+        lambda: slot_row(dsn, slot)["active"] == active,
+        timeout,
+        f"slot {slot} active={active}",
+    )
+
+
+def pending_inserts(dsn: str, slot: str, publication: str) -> int:
+    """Outbox inserts the slot still holds (not confirmed), read without consuming them."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
+            "'proto_version', '1', 'publication_names', %s)",
+            (slot, publication),
+        ).fetchall()
+    return sum(isinstance(pgoutput.decode(bytes(r[0])), Insert) for r in rows)
+
+
+# -- writing events ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Written:
+    id: str
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: bytes  # as PostgreSQL's jsonb prints it
+    after_commit_lsn: int  # pg_current_wal_lsn() just after COMMIT: >= the commit's end
+    committed_at: float  # time.monotonic()
+
+
+def _lsn(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+class Writer:
+    """Writes outbox events in transactions, like an application, and records what committed."""
+
+    def __init__(self, dsn: str, name: str = "w") -> None:
+        self.dsn = dsn
+        self.name = name
+        self.written: list[Written] = []
+        self._conn = psycopg.connect(dsn)
+
+    def transaction(
+        self,
+        events: Sequence[tuple[str, str, dict[str, Any]]],
+        delete_after: bool = False,
+    ) -> list[Written]:
+        """One transaction of (aggregate_type, aggregate_id, payload) events."""
+        conn = self._conn
+        ids = []
+        with conn.transaction():
+            for aggregate_type, aggregate_id, payload in events:
+                event_id = write_event(
+                    conn,
+                    aggregate_type=aggregate_type,
+                    aggregate_id=aggregate_id,
+                    event_type=f"{aggregate_type}.changed",
+                    payload=payload,
+                )
+                ids.append(str(event_id))
+            rows = conn.execute(
+                "SELECT id::text, payload::text FROM outbox_events WHERE id = ANY(%s::uuid[])",
+                (ids,),
+            ).fetchall()
+            if delete_after:
+                conn.execute("DELETE FROM outbox_events WHERE id = ANY(%s::uuid[])", (ids,))
+        after = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        conn.commit()
+        assert after is not None
+        stored = dict(rows)
+        now = time.monotonic()
+        batch = [
+            Written(
+                id=i,
+                aggregate_type=a_type,
+                aggregate_id=a_id,
+                event_type=f"{a_type}.changed",
+                payload=stored[i].encode(),
+                after_commit_lsn=_lsn(after[0]),
+                committed_at=now,
+            )
+            for i, (a_type, a_id, _) in zip(ids, events, strict=True)
+        ]
+        self.written.extend(batch)
+        return batch
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+@dataclass
+class Load:
+    """Writers in threads, each owning its aggregates, until stopped."""
+
+    dsn: str
+    writers: int = 3
+    pause: float = 0.002
+    written: list[Written] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _threads: list[threading.Thread] = field(default_factory=list)
+    errors: list[BaseException] = field(default_factory=list)
+
+    def start(self) -> Load:
+        for n in range(self.writers):
+            thread = threading.Thread(target=self._run, args=(n,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def _run(self, n: int) -> None:
+        writer = Writer(self.dsn, name=f"w{n}")
+        i = 0
+        try:
+            while not self._stop.is_set():
+                size = 1 + i % 5
+                events = [
+                    (("order", "customer")[j % 2], f"w{n}-a{(i + j) % 7}", {"w": n, "i": i, "j": j})
+                    for j in range(size)
+                ]
+                self.written.extend(writer.transaction(events))
+                i += 1
+                time.sleep(self.pause)
+        except BaseException as exc:  # noqa: BLE001 - reported by stop()
+            self.errors.append(exc)
+        finally:
+            writer.close()
+
+    def stop(self) -> list[Written]:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+        assert not self.errors, self.errors
+        return self.written
+
+
+# -- reading Kafka ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Received:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+
+    @property
+    def id(self) -> str:
+        return dict(self.headers)["id"].decode()
+
+
+def consume(
+    bootstrap: str,
+    topic_prefix: str,
+    expected: int,
+    timeout: float = 120,
+    settle: float = 3.0,
+) -> list[Received]:
+    """Every message on the test's topics, in partition order; waits for ``expected`` of them
+    (ids, duplicates included), then ``settle`` seconds more to catch duplicates."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"check-{uuid.uuid4()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "topic.metadata.refresh.interval.ms": 1000,
+        }
+    )
+    consumer.subscribe([f"^{topic_prefix.replace('.', '[.]')}[.].*"])
+    received: list[Received] = []
+    ids: set[str] = set()
+    deadline = time.monotonic() + timeout
+    settle_until: float | None = None
+    try:
+        while True:
+            now = time.monotonic()
+            if settle_until is not None and now > settle_until:
+                break
+            if now > deadline:
+                break
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            if msg.error():
+                if msg.error().code() in (
+                    KafkaError._PARTITION_EOF,
+                    KafkaError.UNKNOWN_TOPIC_OR_PART,
+                ):
+                    continue
+                raise AssertionError(f"consumer error: {msg.error()}")
+            item = Received(
+                topic=msg.topic(),
+                partition=msg.partition(),
+                offset=msg.offset(),
+                key=msg.key(),
+                value=msg.value(),
+                headers=tuple(msg.headers() or ()),
+            )
+            received.append(item)
+            ids.add(item.id)
+            if len(ids) >= expected and settle_until is None:
+                settle_until = time.monotonic() + settle
+    finally:
+        consumer.close()
+    return received
+
+
+def partitions_of(bootstrap: str, topic: str) -> list[TopicPartition]:
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "meta"})
+    try:
+        meta = consumer.list_topics(topic, timeout=10)
+        return [TopicPartition(topic, p) for p in meta.topics[topic].partitions]
+    finally:
+        consumer.close()
+
+
+# -- the checker ------------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    written: int
+    received: int
+    lost: list[str]
+    duplicates: int
+    out_of_order: list[str]
+    mismatched: list[str]
+
+    def __str__(self) -> str:
+        return (
+            f"written={self.written} received={self.received} lost={len(self.lost)} "
+            f"duplicates={self.duplicates} out_of_order={len(self.out_of_order)} "
+            f"mismatched={len(self.mismatched)}"
+        )
+
+
+def check(written: Iterable[Written], received: list[Received], topic_prefix: str) -> Verdict:
+    """Compare what committed with what Kafka holds: lost, duplicated, reordered, altered."""
+    written = list(written)
+    by_id = {w.id: w for w in written}
+    counts = Counter(r.id for r in received)
+    lost = [w.id for w in written if w.id not in counts]
+    duplicates = sum(n - 1 for n in counts.values())
+
+    mismatched = []
+    for r in received:
+        w = by_id.get(r.id)
+        expected = None
+        if w is not None:
+            expected = (
+                f"{topic_prefix}.{w.aggregate_type}",
+                w.aggregate_id.encode(),
+                w.payload,
+                (
+                    ("id", w.id.encode()),
+                    ("event_type", w.event_type.encode()),
+                    ("aggregate_type", w.aggregate_type.encode()),
+                ),
+            )
+        if expected != (r.topic, r.key, r.value, r.headers):
+            mismatched.append(r.id)
+
+    # Order per aggregate: the first delivery of each event, in partition order, must follow
+    # commit order (duplicates after a crash replay a suffix and are skipped here).
+    commit_rank = {w.id: n for n, w in enumerate(written)}
+    per_aggregate: dict[tuple[str, str], list[int]] = defaultdict(list)
+    seen: set[str] = set()
+    for r in sorted(received, key=lambda r: (r.topic, r.partition, r.offset)):
+        if r.id in seen or r.id not in by_id:
+            continue
+        seen.add(r.id)
+        w = by_id[r.id]
+        per_aggregate[(w.aggregate_type, w.aggregate_id)].append(commit_rank[r.id])
+    out_of_order = [
+        f"{k[0]}/{k[1]}" for k, ranks in per_aggregate.items() if ranks != sorted(ranks)
+    ]
+    return Verdict(
+        written=len(written),
+        received=len(received),
+        lost=lost,
+        duplicates=duplicates,
+        out_of_order=out_of_order,
+        mismatched=mismatched,
+    )

@@ -1,0 +1,342 @@
+"""The CDC relay end to end, against a real PostgreSQL and a real Kafka broker."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from relaytools import (
+    Load,
+    RelayProcess,
+    Writer,
+    check,
+    consume,
+    pending_inserts,
+    relay_env,
+    setup_slot,
+    slot_row,
+    wait_slot,
+    wait_until,
+)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def relay(tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any) -> Any:
+    setup_slot(outbox_db, names)
+    process = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names))
+    yield process
+    process.close()
+
+
+def test_every_event_arrives_with_topic_key_headers_value_in_commit_order(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    relay.start()
+    writer = Writer(outbox_db)
+    # single-event transactions, several aggregates and aggregate types
+    for i in range(300):
+        writer.transaction([(("order", "customer", "invoice")[i % 3], f"a{i % 11}", {"i": i})])
+    # one transaction of 10,000 events
+    writer.transaction(
+        [("order", f"big{i % 13}", {"i": i, "pad": "x" * 50}) for i in range(10_000)]
+    )
+    # the insert-then-delete pattern: the table stays empty, the event still goes out
+    writer.transaction([("order", "deleted", {"gone": True})], delete_after=True)
+    writer.close()
+    # several concurrent writers
+    load = Load(outbox_db, writers=4, pause=0).start()
+    time.sleep(3)
+    written = writer.written + load.stop()
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+    verdict = check(written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.mismatched == []
+    assert verdict.out_of_order == []
+    assert verdict.duplicates == 0  # no fault happened: exactly once on the wire
+    assert len(written) > 10_300 + 100
+    with psycopg.connect(outbox_db) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox_events WHERE aggregate_id = 'deleted'")
+        assert row.fetchone() == (0,)
+
+    assert relay.stop() == 0
+    # A clean stop confirms everything: the slot holds no outbox insert any more.
+    assert pending_inserts(outbox_db, names.slot, names.publication) == 0
+
+
+def test_broker_down_confirms_nothing_unacknowledged_and_delivers_after_restart(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    relay.start()
+    writer = Writer(outbox_db)
+    writer.transaction([("order", "before", {"n": 0})])
+    consume(kafka_service.bootstrap, names.topic_prefix, expected=1, settle=0)
+
+    kafka_service.stop()
+    try:
+        for i in range(50):
+            writer.transaction([("order", f"down{i % 5}", {"n": i})])
+        time.sleep(6)  # several status intervals pass; the relay keeps its connection
+        assert relay.alive()
+        assert slot_row(outbox_db, names.slot)["active"]
+        relay.kill()  # the hard way: whatever was confirmed is all PostgreSQL knows
+        wait_slot(outbox_db, names.slot, active=False)
+        # Every event written while the broker was down is still in the slot.
+        assert pending_inserts(outbox_db, names.slot, names.publication) == 50
+        relay.start()
+        time.sleep(3)  # the relay runs, waiting for the broker without confirming
+        assert relay.alive(), relay.log()
+    finally:
+        kafka_service.start()
+    writer.close()
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=51)
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert relay.stop() == 0
+    assert pending_inserts(outbox_db, names.slot, names.publication) == 0
+
+
+def test_sigkill_mid_stream_loses_nothing_and_duplicates_only_what_was_in_flight(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    rng = random.Random(2)
+    relay.start()
+    load = Load(outbox_db, writers=3, pause=0.001).start()
+    kills = []
+    for _ in range(5):
+        time.sleep(rng.uniform(1.5, 4.0))
+        relay.kill()
+        kill_time = time.monotonic()
+        wait_slot(outbox_db, names.slot, active=False)
+        kills.append((kill_time, slot_row(outbox_db, names.slot)["confirmed"]))
+        relay.start()
+    time.sleep(2)
+    written = load.stop()
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+    verdict = check(written, received, names.topic_prefix)
+    # In flight at a kill: committed before it, not confirmed by the slot at that moment.
+    in_flight = sum(
+        sum(1 for w in written if w.committed_at < at and w.after_commit_lsn > _lsn(confirmed))
+        for at, confirmed in kills
+    )
+    print(f"kills={len(kills)} {verdict} in_flight_bound={in_flight}")
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert verdict.duplicates <= in_flight
+    assert relay.stop() == 0
+
+
+def _lsn(text: str) -> int:
+    high, low = text.split("/")
+    return (int(high, 16) << 32) | int(low, 16)
+
+
+def test_idle_outbox_beside_a_busy_table_does_not_pin_wal(
+    relay: RelayProcess, outbox_db: str, names: Any
+) -> None:
+    relay.start()
+    wait_slot(outbox_db, names.slot, active=True)
+    written = 0
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE noise (id bigserial, body text)")
+        start = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
+        for _ in range(40):
+            conn.execute(
+                "INSERT INTO noise (body) SELECT repeat(md5(random()::text), 64) "
+                "FROM generate_series(1, 1000)"
+            )
+        end = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s)", start).fetchone()
+        assert end is not None
+        written = int(end[0])
+        assert written > 64 * 1024 * 1024  # enough WAL that a pinned slot would show it
+
+        def retained_small() -> bool:
+            conn.execute("CHECKPOINT")  # logs a running-xacts record the slot can move to
+            return slot_row(outbox_db, names.slot)["retained"] < 16 * 1024 * 1024
+
+        wait_until(retained_small, 60, "the slot to release the busy table's WAL", interval=1)
+    print(f"wal_written={written} retained={slot_row(outbox_db, names.slot)['retained']}")
+    assert relay.alive()
+
+
+def test_second_stream_on_an_active_slot_fails_with_a_clear_message(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any, tmp_path: Path
+) -> None:
+    relay.start()
+    wait_slot(outbox_db, names.slot, active=True)
+    second = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="second"
+    ).start()
+    code = second.wait(60)
+    assert code != 0
+    last = second.log().strip().splitlines()[-1]
+    assert "in use by another process" in last, second.log()
+    assert last.startswith("cdc-relay: error:")
+    assert relay.alive()
+
+
+def test_setup_slot_is_idempotent_and_dry_run_changes_nothing(outbox_db: str, names: Any) -> None:
+    base = [sys.executable, "-m", "cdc_relay", "setup-slot", "--dsn", outbox_db]
+    base += ["--slot", names.slot, "--publication", names.publication]
+    dry = subprocess.run([*base, "--dry-run"], capture_output=True, text=True, check=True)
+    assert "CREATE PUBLICATION" in dry.stdout
+    assert "pg_create_logical_replication_slot" in dry.stdout
+    with psycopg.connect(outbox_db) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = %s", (names.slot,)
+        ).fetchone() == (0,)
+
+    first = subprocess.run(base, capture_output=True, text=True, check=True)
+    assert f"created slot {names.slot} (pgoutput)" in first.stdout
+    again = subprocess.run(base, capture_output=True, text=True, check=True)
+    assert "created" not in again.stdout
+    assert f"exists: slot {names.slot}" in again.stdout
+    assert f"exists: publication {names.publication}" in again.stdout
+
+    wal2json = subprocess.run(
+        [
+            *base[:-4],
+            "--slot",
+            names.slot + "_w2j",
+            "--publication",
+            names.publication,
+            "--plugin",
+            "wal2json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert f"created slot {names.slot}_w2j (wal2json)" in wal2json.stdout
+
+
+def test_setup_slot_preflight_failures_say_what_to_do(
+    outbox_db: str, names: Any, replica_postgres: Any
+) -> None:
+    def run(dsn: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "cdc_relay",
+                "setup-slot",
+                "--dsn",
+                dsn,
+                "--slot",
+                names.slot,
+                "--publication",
+                names.publication,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+        )
+
+    wal = run(replica_postgres.dsn)
+    assert wal.returncode != 0
+    assert wal.stderr.strip() == (
+        "cdc-relay: error: wal_level is 'replica'; set wal_level = logical in postgresql.conf "
+        "(or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
+    )
+
+    missing = run(outbox_db, "--table", "no_such_table")
+    assert missing.returncode != 0
+    assert "table no_such_table does not exist" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
+
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(f"CREATE ROLE {names.slot}_app LOGIN")
+    user_dsn = f"{outbox_db} user={names.slot}_app"
+    no_repl = run(user_dsn)
+    assert no_repl.returncode != 0
+    assert f"role {names.slot}_app lacks REPLICATION" in no_repl.stderr
+
+    stream = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cdc_relay",
+            "stream",
+            "--dsn",
+            outbox_db,
+            "--slot",
+            "nope",
+            "--kafka-bootstrap",
+            "127.0.0.1:1",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert stream.returncode != 0
+    assert stream.stderr.strip() == (
+        "cdc-relay: error: replication slot 'nope' does not exist; run cdc-relay setup-slot first"
+    )
+
+
+def test_sigterm_waits_for_acks_confirms_and_exits_zero(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    relay.start()
+    load = Load(outbox_db, writers=2, pause=0).start()
+    time.sleep(2)
+    relay.signal(signal.SIGTERM)  # mid-stream, events in flight
+    assert relay.wait(30) == 0
+    written = load.stop()
+    # What the relay confirmed, it had delivered: restart and check nothing is lost.
+    relay.start()
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+    verdict = check(written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert "stopped" in relay.log()
+    assert relay.stop() == 0
+    assert pending_inserts(outbox_db, names.slot, names.publication) == 0
+
+
+def test_unreachable_broker_is_a_one_line_error(outbox_db: str, names: Any) -> None:
+    setup_slot(outbox_db, names)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cdc_relay",
+            "stream",
+            "--dsn",
+            outbox_db,
+            "--slot",
+            names.slot,
+            "--publication",
+            names.publication,
+            "--kafka-bootstrap",
+            "127.0.0.1:9",
+            "--kafka-timeout",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip() == (
+        "cdc-relay: error: no Kafka broker answered at 127.0.0.1:9 within 2s; "
+        "check --kafka-bootstrap and that the broker is running"
+    )
+    # Nothing was read from the slot, so nothing can have been confirmed.
+    assert slot_row(outbox_db, names.slot)["active"] is False
