@@ -1,0 +1,220 @@
+"""Fixtures of the whole suite: the PostgreSQL and Kafka services, an outbox database per test,
+and names no other test uses.
+
+A service named in an environment variable is used as it is (``CDC_RELAY_TEST_PG_DSN``, a libpq
+connection string of a superuser; ``CDC_RELAY_TEST_KAFKA_BOOTSTRAP``); otherwise the session
+starts a throwaway one with ``cdc_relay.devstack`` and removes it at the end, keeping its log in
+pytest's temporary directory. Nothing here mocks PostgreSQL or Kafka.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+
+from cdc_relay.devstack.kafka import LocalKafka
+from cdc_relay.devstack.postgres import LocalPostgres, StopMode
+
+OUTBOX_SQL = Path(__file__).parents[1] / "sql" / "outbox.sql"
+
+
+class PostgresService(Protocol):
+    """What tests may do with the PostgreSQL server."""
+
+    @property
+    def dsn(self) -> str: ...
+    def dsn_for(self, dbname: str) -> str: ...
+    def running(self) -> bool: ...
+    def start(self) -> object: ...
+    def stop(self, mode: StopMode = "fast") -> None: ...
+    def restart(self, mode: StopMode = "fast") -> object: ...
+    def kill(self) -> None: ...
+
+
+class KafkaService(Protocol):
+    """What tests may do with the Kafka broker."""
+
+    @property
+    def bootstrap(self) -> str: ...
+    def running(self) -> bool: ...
+    def start(self) -> object: ...
+    def stop(self) -> None: ...
+    def restart(self) -> object: ...
+    def kill(self) -> None: ...
+
+
+def _not_ours(variable: str) -> None:
+    pytest.skip(f"the service is given by {variable}: the tests may not stop or restart it")
+
+
+class ExternalPostgres:
+    """The server named by CDC_RELAY_TEST_PG_DSN; stopping it is not ours to do."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    def dsn_for(self, dbname: str) -> str:
+        return make_conninfo(self.dsn, dbname=dbname)
+
+    def running(self) -> bool:
+        return True
+
+    def start(self) -> object:
+        _not_ours("CDC_RELAY_TEST_PG_DSN")
+        return self
+
+    def stop(self, mode: StopMode = "fast") -> None:
+        _not_ours("CDC_RELAY_TEST_PG_DSN")
+
+    def restart(self, mode: StopMode = "fast") -> object:
+        _not_ours("CDC_RELAY_TEST_PG_DSN")
+        return self
+
+    def kill(self) -> None:
+        _not_ours("CDC_RELAY_TEST_PG_DSN")
+
+
+class ExternalKafka:
+    """The broker named by CDC_RELAY_TEST_KAFKA_BOOTSTRAP; stopping it is not ours to do."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+
+    def running(self) -> bool:
+        return True
+
+    def start(self) -> object:
+        _not_ours("CDC_RELAY_TEST_KAFKA_BOOTSTRAP")
+        return self
+
+    def stop(self) -> None:
+        _not_ours("CDC_RELAY_TEST_KAFKA_BOOTSTRAP")
+
+    def restart(self) -> object:
+        _not_ours("CDC_RELAY_TEST_KAFKA_BOOTSTRAP")
+        return self
+
+    def kill(self) -> None:
+        _not_ours("CDC_RELAY_TEST_KAFKA_BOOTSTRAP")
+
+
+@pytest.fixture(scope="session")
+def postgres_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresService]:
+    """The PostgreSQL server (wal_level=logical) of the session, superuser access."""
+    dsn = os.environ.get("CDC_RELAY_TEST_PG_DSN")
+    if dsn:
+        yield ExternalPostgres(dsn)
+        return
+    server = LocalPostgres(tmp_path_factory.mktemp("postgres"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup(keep_logs=True)
+
+
+@pytest.fixture(scope="session")
+def kafka_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaService]:
+    """The Kafka broker of the session."""
+    bootstrap = os.environ.get("CDC_RELAY_TEST_KAFKA_BOOTSTRAP")
+    if bootstrap:
+        yield ExternalKafka(bootstrap)
+        return
+    broker = LocalKafka(tmp_path_factory.mktemp("kafka"))
+    try:
+        broker.start()
+        yield broker
+    finally:
+        broker.cleanup(keep_logs=True)
+
+
+@pytest.fixture(autouse=True)
+def _services_running_after_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Start again a service that a test stopped and, failing, did not start."""
+    services: list[PostgresService | KafkaService] = [
+        request.getfixturevalue(name)
+        for name in ("postgres_service", "kafka_service")
+        if name in request.fixturenames
+    ]
+    yield
+    for service in services:
+        if not service.running():
+            service.start()
+
+
+@pytest.fixture
+def outbox_db(postgres_service: PostgresService) -> Iterator[str]:
+    """The DSN of a new database holding the outbox schema; dropped with its slots afterwards."""
+    name = f"t_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(postgres_service.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    dsn = postgres_service.dsn_for(name)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(OUTBOX_SQL.read_bytes())  # several statements: no parameters allowed
+    yield dsn
+    if not postgres_service.running():  # this teardown runs before the autouse restart
+        postgres_service.start()
+    _drop_database(postgres_service.dsn, name)
+
+
+def _drop_database(admin_dsn: str, name: str, timeout: float = 30.0) -> None:
+    """Drop a database after its sessions and replication slots, walsenders included."""
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(admin_dsn, autocommit=True) as conn:
+        while True:
+            # A slot stays in use until its walsender has exited, which terminating only starts.
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = %s AND pid <> pg_backend_pid()",
+                [name],
+            )
+            slots = conn.execute(
+                "SELECT slot_name, active FROM pg_replication_slots WHERE database = %s", [name]
+            ).fetchall()
+            if not slots:
+                break
+            for slot, active in slots:
+                if not active:
+                    with contextlib.suppress(psycopg.errors.ObjectInUse):  # taken again meanwhile
+                        conn.execute("SELECT pg_drop_replication_slot(%s)", [slot])
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"replication slots of {name} stay in use: {slots}")
+            time.sleep(0.05)
+        conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+@dataclass(frozen=True)
+class Names:
+    """Names only one test uses: lowercase letters, digits and underscores, valid both as
+    PostgreSQL identifiers and in Kafka topic names."""
+
+    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @property
+    def slot(self) -> str:
+        return f"t_slot_{self.suffix}"
+
+    @property
+    def publication(self) -> str:
+        return f"t_pub_{self.suffix}"
+
+    @property
+    def topic_prefix(self) -> str:
+        return f"t_{self.suffix}"
+
+
+@pytest.fixture
+def names() -> Names:
+    """Unique ``slot``, ``publication`` and ``topic_prefix`` for this test."""
+    return Names()
