@@ -2,7 +2,8 @@
 and names no other test uses.
 
 A service named in an environment variable is used as it is (``CDC_RELAY_TEST_PG_DSN``, a libpq
-connection string of a superuser; ``CDC_RELAY_TEST_KAFKA_BOOTSTRAP``); otherwise the session
+connection string of a superuser; ``CDC_RELAY_TEST_PG_REPLICA_DSN``, the same for a server with
+``wal_level=replica``; ``CDC_RELAY_TEST_KAFKA_BOOTSTRAP``); otherwise the session
 starts a throwaway one with ``cdc_relay.devstack`` and removes it at the end, keeping its log in
 pytest's temporary directory. Nothing here mocks PostgreSQL or Kafka.
 """
@@ -23,8 +24,9 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from cdc_relay.devstack import DevstackError
 from cdc_relay.devstack.kafka import LocalKafka
-from cdc_relay.devstack.postgres import LocalPostgres, StopMode
+from cdc_relay.devstack.postgres import LocalPostgres, StopMode, find_bindir
 
 OUTBOX_SQL = Path(__file__).parents[1] / "sql" / "outbox.sql"
 
@@ -125,6 +127,25 @@ def postgres_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postg
 
 
 @pytest.fixture(scope="session")
+def replica_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresService]:
+    """A second PostgreSQL server, with wal_level=replica: logical decoding is refused there."""
+    dsn = os.environ.get("CDC_RELAY_TEST_PG_REPLICA_DSN")
+    if dsn:
+        yield ExternalPostgres(dsn)
+        return
+    try:
+        find_bindir()
+    except DevstackError as err:
+        pytest.skip(f"no server with wal_level=replica: {err}")
+    server = LocalPostgres(tmp_path_factory.mktemp("postgres_replica"), wal_level="replica")
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup(keep_logs=True)
+
+
+@pytest.fixture(scope="session")
 def kafka_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaService]:
     """The Kafka broker of the session."""
     bootstrap = os.environ.get("CDC_RELAY_TEST_KAFKA_BOOTSTRAP")
@@ -144,7 +165,7 @@ def _services_running_after_test(request: pytest.FixtureRequest) -> Iterator[Non
     """Start again a service that a test stopped and, failing, did not start."""
     services: list[PostgresService | KafkaService] = [
         request.getfixturevalue(name)
-        for name in ("postgres_service", "kafka_service")
+        for name in ("postgres_service", "replica_postgres", "kafka_service")
         if name in request.fixturenames
     ]
     yield
