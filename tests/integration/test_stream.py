@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,16 @@ from relaytools import (
     wait_until,
 )
 
+from cdc_relay.devstack.postgres import LocalPostgres
+
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def replica_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
+    """A second cluster, with wal_level=replica: what setup-slot must refuse."""
+    with LocalPostgres(tmp_path_factory.mktemp("replica"), wal_level="replica") as pg:
+        yield pg
 
 
 @pytest.fixture
@@ -155,6 +165,7 @@ def test_idle_outbox_beside_a_busy_table_does_not_pin_wal(
     written = 0
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute("CREATE TABLE noise (id bigserial, body text)")
+        conn.execute("ALTER TABLE noise ALTER body SET STORAGE EXTERNAL")  # no compression
         start = conn.execute("SELECT pg_current_wal_lsn()").fetchone()
         for _ in range(40):
             conn.execute(
