@@ -178,6 +178,13 @@ def drop_slot(dsn: str, slot: str, publication: str, table: str, yes: bool) -> N
     show_default=True,
     help="Seconds to wait for a broker to answer at start-up.",
 )
+@_option(
+    "--progress-interval",
+    type=click.FloatRange(0.5, 86400),
+    default=10.0,
+    show_default=True,
+    help="Seconds between progress lines in the log.",
+)
 @log_options
 def stream(
     dsn: str,
@@ -191,6 +198,7 @@ def stream(
     status_interval: float,
     shutdown_timeout: float,
     kafka_timeout: float,
+    progress_interval: float,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -211,6 +219,7 @@ def stream(
         status_interval=status_interval,
         shutdown_timeout=shutdown_timeout,
         kafka_timeout=kafka_timeout,
+        progress_interval=progress_interval,
     )
     relay = StreamRelay(settings)
     for signum in (signal.SIGTERM, signal.SIGINT):

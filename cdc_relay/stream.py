@@ -181,7 +181,8 @@ class StreamRelay:
 
     def _log_progress(self) -> None:
         log.info(
-            "progress: %d events in %d transactions, %d in flight, confirmed %s",
+            "progress: %d events relayed in %d transactions, %d awaiting Kafka's ack, "
+            "slot confirmed up to %s",
             self.progress.events,
             self.progress.transactions,
             self.tracker.in_flight,

@@ -104,14 +104,14 @@ def setup_slot(dsn: str, names: Any) -> None:
 def slot_row(dsn: str, slot: str) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         cur = conn.execute(
-            "SELECT active, confirmed_flush_lsn, "
+            "SELECT active, active_pid, confirmed_flush_lsn, "
             "pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)::bigint AS retained "
             "FROM pg_replication_slots WHERE slot_name = %s",
             (slot,),
         )
         row = cur.fetchone()
         assert row is not None, f"slot {slot} is gone"
-        return {"active": row[0], "confirmed": row[1], "retained": row[2]}
+        return {"active": row[0], "active_pid": row[1], "confirmed": row[2], "retained": row[3]}
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:

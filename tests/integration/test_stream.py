@@ -85,20 +85,37 @@ def test_every_event_arrives_with_topic_key_headers_value_in_commit_order(
 
 
 def test_broker_down_confirms_nothing_unacknowledged_and_delivers_after_restart(
-    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
+    setup_slot(outbox_db, names)
+    # A short wal_sender_timeout and a tiny producer queue: while the broker is down the
+    # relay sits in back-pressure, and only its status updates keep the walsender from
+    # cutting it off (DESIGN.md, invariant 6).
+    dsn = f"{outbox_db} options='-c wal_sender_timeout=2s'"
+    env = relay_env(dsn, kafka_service.bootstrap, names)
+    env["CDC_RELAY_KAFKA_CONFIG"] = "queue.buffering.max.messages=10"
+    relay = RelayProcess(tmp_path, env)
+    try:
+        _broker_down(relay, outbox_db, kafka_service, names)
+    finally:
+        relay.close()
+
+
+def _broker_down(relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any) -> None:
     relay.start()
     writer = Writer(outbox_db)
     writer.transaction([("order", "before", {"n": 0})])
     consume(kafka_service.bootstrap, names.topic_prefix, expected=1, settle=0)
+    pid = slot_row(outbox_db, names.slot)["active_pid"]
 
     kafka_service.stop()
     try:
         for i in range(50):
             writer.transaction([("order", f"down{i % 5}", {"n": i})])
-        time.sleep(6)  # several status intervals pass; the relay keeps its connection
+        time.sleep(8)  # four wal_sender_timeouts pass; the relay keeps its connection
         assert relay.alive()
-        assert slot_row(outbox_db, names.slot)["active"]
+        assert slot_row(outbox_db, names.slot)["active_pid"] == pid, relay.log()
+        assert "disconnected" not in relay.log()
         relay.kill()  # the hard way: whatever was confirmed is all PostgreSQL knows
         wait_slot(outbox_db, names.slot, active=False)
         # Every event written while the broker was down is still in the slot.
