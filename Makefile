@@ -4,35 +4,32 @@
 
 VENV   := .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
 
 .PHONY: install test check lint typecheck unit integration demo clean
 
-install: $(STAMP)
-
-$(STAMP): pyproject.toml .ci/install
+# Idempotent, and quick once everything is there.
+install:
 	bash .ci/install
-	touch $@
 
 check: lint typecheck
 
-lint: $(STAMP)
+lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-typecheck: $(STAMP)
+typecheck: install
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+unit: install
 	$(PY) -m pytest tests/unit
 
-integration: $(STAMP)
+integration: install
 	$(PY) -m pytest tests/integration
 
 test: check
 	$(PY) -m pytest tests
 
-demo: $(STAMP)
+demo: install
 	$(PY) demo/run.py
 
 clean:
