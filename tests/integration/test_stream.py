@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +26,7 @@ from relaytools import (
     wait_until,
 )
 
-from cdc_relay.devstack.postgres import LocalPostgres
-
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def replica_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPostgres]:
-    """A second cluster, with wal_level=replica: what setup-slot must refuse."""
-    with LocalPostgres(tmp_path_factory.mktemp("replica"), wal_level="replica") as pg:
-        yield pg
 
 
 @pytest.fixture
@@ -291,7 +281,11 @@ def test_setup_slot_preflight_failures_say_what_to_do(
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(f"CREATE ROLE {names.slot}_app LOGIN")
     user_dsn = f"{outbox_db} user={names.slot}_app"
-    no_repl = run(user_dsn)
+    try:
+        no_repl = run(user_dsn)
+    finally:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(f"DROP ROLE {names.slot}_app")
     assert no_repl.returncode != 0
     assert f"role {names.slot}_app lacks REPLICATION" in no_repl.stderr
 
