@@ -86,7 +86,8 @@ class KafkaSink:
                 value=message.value,
                 key=message.key,
                 headers=cast(list[tuple[str, str | bytes | None]], message.headers),
-                on_delivery=functools.partial(self._delivered, token),
+                # The headers name the event if Kafka refuses it: delivery reports lack them.
+                on_delivery=functools.partial(self._delivered, token, message.headers),
             )
         except BufferError:
             return False
@@ -100,23 +101,32 @@ class KafkaSink:
         if self.failure is not None:
             raise self.failure
 
+    def settle(self, timeout: float) -> None:
+        """Serve delivery reports for up to ``timeout`` seconds, or until none is outstanding.
+
+        Does not raise for a refused event: when stopping, the acks of the others still count.
+        """
+        self._producer.flush(timeout)
+
     def in_flight(self) -> int:
         """Messages handed to the producer and not yet reported."""
         return len(self._producer)
 
-    def close(self, timeout: float) -> int:
-        """Wait up to ``timeout`` for outstanding reports; return how many are left."""
-        return int(self._producer.flush(timeout))
+    def close(self) -> int:
+        """Close the producer; return how many messages were still unacknowledged."""
+        left = len(self._producer)
+        self._producer.purge()
+        self._producer.flush(0)
+        return left
 
-    def _delivered(self, token: Any, err: KafkaError | None, msg: Any) -> None:
+    def _delivered(
+        self, token: Any, headers: list[tuple[str, bytes]], err: KafkaError | None, msg: Any
+    ) -> None:
         if err is None:
             self.connected = True
             self._on_ack(token)
         elif self.failure is None:
-            headers = dict(msg.headers() or [])
-            self.failure = _refused(
-                Message(msg.topic(), msg.key(), None, list(headers.items())), err
-            )
+            self.failure = _refused(Message(msg.topic(), msg.key(), None, headers), err)
 
     def _on_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._ALL_BROKERS_DOWN:

@@ -265,9 +265,10 @@ class StreamRelay:
                 return
 
     def _drain(self, timeout: float, confirm: bool) -> None:
+        """Wait (bounded) for the acks of what the producer holds, confirming as they come."""
         deadline = time.monotonic() + timeout
-        while self.tracker.in_flight and time.monotonic() < deadline:
-            self.sink.poll(0.1)
+        while self.sink.in_flight() and time.monotonic() < deadline:
+            self.sink.settle(min(0.2, max(0.0, deadline - time.monotonic())))
             if confirm and self._conn is not None:
                 self._send_status()
 
@@ -276,11 +277,11 @@ class StreamRelay:
             if self._conn is not None:
                 self._drain(self.settings.shutdown_timeout, confirm=True)
                 self._send_status(force=True)
-        except (ConnectionLost, RelayError) as exc:
+        except ConnectionLost as exc:
             log.warning("could not confirm the final position: %s", exc)
         finally:
             self._close_conn()
-            left = self.sink.close(0)
+            left = self.sink.close()
             self._log_progress()
             log.info(
                 "stopped; %d events not acknowledged will be sent again on restart",

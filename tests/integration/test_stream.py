@@ -362,3 +362,57 @@ def test_unreachable_broker_is_a_one_line_error(outbox_db: str, names: Any) -> N
     )
     # Nothing was read from the slot, so nothing can have been confirmed.
     assert slot_row(outbox_db, names.slot)["active"] is False
+
+
+@pytest.mark.parametrize("where", ["producer", "broker"])
+def test_event_kafka_refuses_stops_the_relay_and_is_not_confirmed(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, where: str
+) -> None:
+    setup_slot(outbox_db, names)
+    env = relay_env(outbox_db, kafka_service.bootstrap, names)
+    if where == "broker":
+        # The client lets it through; the broker (message.max.bytes ~1 MB) refuses it.
+        env["CDC_RELAY_KAFKA_CONFIG"] = "message.max.bytes=10000000"
+    relay = RelayProcess(tmp_path, env).start()
+    try:
+        writer = Writer(outbox_db)
+        writer.transaction([("order", "ok", {"n": 1})])
+        consume(kafka_service.bootstrap, names.topic_prefix, expected=1, settle=0)
+        # Random hex: compression cannot shrink it under the broker's limit.
+        blob = random.randbytes(1_500_000).hex()
+        (big,) = writer.transaction([("order", "big", {"blob": blob})])
+        writer.transaction([("order", "after", {"n": 2})])
+        writer.close()
+        code = relay.wait(60)
+    finally:
+        relay.close()
+    last = relay.log().strip().splitlines()[-1]
+    assert code == 1, relay.log()
+    assert last.startswith(f"cdc-relay: error: Kafka refused event {big.id} (order.changed, ")
+    assert "MSG_SIZE_TOO_LARGE" in last or "too large" in last.lower(), last
+    assert "message.max.bytes" in last
+    # Neither the refused event nor the one after it was confirmed: both wait in the slot.
+    assert pending_inserts(outbox_db, names.slot, names.publication) == 2
+
+
+def test_postgres_restart_mid_stream_reconnects_by_itself_and_loses_nothing(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, postgres_service: Any, names: Any
+) -> None:
+    relay.start()
+    before = Writer(outbox_db)
+    for i in range(200):
+        before.transaction([("order", f"r{i % 9}", {"i": i, "j": j}) for j in range(100)])
+    before.close()
+    postgres_service.restart("fast")  # the relay is still streaming the backlog
+    after = Writer(outbox_db)
+    for i in range(100):
+        after.transaction([("order", f"r{i % 9}", {"after": i})])
+    after.close()
+    written = before.written + after.written
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+    verdict = check(written, received, names.topic_prefix)
+    print(verdict)
+    assert "reconnected" in relay.log()
+    assert relay.alive()
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
