@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 _READ_TIMEOUT = 0.1  # seconds without data before serving delivery reports and timers
 _RECONNECT_MAX = 10.0
+# A newly acknowledged position is confirmed this soon: after a crash, PostgreSQL replays
+# what was not confirmed, so this interval bounds the duplicates (events/s x interval).
+_CONFIRM_AFTER = 0.2
 
 
 @dataclass(frozen=True)
@@ -170,7 +173,7 @@ class StreamRelay:
         if (
             force
             or since >= self.settings.status_interval
-            or (safe != self._sent_flush and since >= 1.0)
+            or (safe != self._sent_flush and since >= _CONFIRM_AFTER)
         ):
             self._require_conn().send_status(max(self._received, safe), safe)
             self._last_status = now
