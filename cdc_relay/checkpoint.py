@@ -18,9 +18,10 @@ from cdc_relay.lsn import Lsn
 class Transaction:
     """The tracker's handle on one transaction; delivery reports hold it as their token."""
 
-    __slots__ = ("committed", "end_lsn", "forgotten", "pending")
+    __slots__ = ("commit_time_us", "committed", "end_lsn", "forgotten", "pending")
 
-    def __init__(self) -> None:
+    def __init__(self, commit_time_us: int = 0) -> None:
+        self.commit_time_us = commit_time_us  # for latency metrics, not for the LSN rule
         self.pending = 0
         self.committed = False
         self.forgotten = False
@@ -50,9 +51,9 @@ class LsnTracker:
         """No transaction open or waiting for acknowledgements."""
         return not self._transactions
 
-    def begin(self) -> Transaction:
+    def begin(self, commit_time_us: int = 0) -> Transaction:
         """A transaction starts in the replication stream."""
-        transaction = Transaction()
+        transaction = Transaction(commit_time_us)
         self._transactions.append(transaction)
         return transaction
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from collections.abc import Callable
@@ -18,10 +19,11 @@ from cdc_relay.config import (
     env,
     kafka_settings,
 )
-from cdc_relay.errors import RelayError
+from cdc_relay.errors import RelayError, UsageError
+from cdc_relay.metrics import Health, serve
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE
 from cdc_relay.sink import producer_config
-from cdc_relay.slot import SlotSpec, drop, setup
+from cdc_relay.slot import SlotSpec, drop, setup, status
 from cdc_relay.stream import StreamRelay, StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -58,6 +60,36 @@ def database_options(func: F) -> F:
     ):
         func = decorate(func)
     return func
+
+
+def metrics_options(func: F) -> F:
+    func = _option(
+        "--metrics-port",
+        type=click.IntRange(0, 65535),
+        default=0,
+        show_default=True,
+        help="Serve /metrics, /healthz and /readyz on this port; 0 turns them off.",
+    )(func)
+    return _option(
+        "--metrics-host",
+        default="0.0.0.0",  # noqa: S104 - in a container, probes and scrapes come from outside
+        show_default=True,
+        help="Address to serve metrics and health on.",
+    )(func)
+
+
+def start_metrics(host: str, port: int) -> Health:
+    """The health state the relay updates, served over HTTP when ``port`` is set."""
+    health = Health()
+    if port:
+        try:
+            serve(host, port, health)
+        except OSError as exc:
+            raise UsageError(
+                f"cannot serve metrics on {host}:{port}: {exc.strerror}; "
+                "choose another --metrics-port"
+            ) from None
+    return health
 
 
 def log_options(func: F) -> F:
@@ -133,6 +165,86 @@ def drop_slot(dsn: str, slot: str, publication: str, table: str, yes: bool) -> N
     click.echo("dropped " + ", ".join(removed) if removed else "nothing to drop")
 
 
+@cli.command("status")
+@database_options
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
+@click.option(
+    "--max-wal-retained",
+    type=int,
+    metavar="BYTES",
+    help="Exit 3 when the slot holds back more WAL than this.",
+)
+@click.option(
+    "--max-unprocessed", type=int, metavar="N", help="Exit 3 above N unprocessed rows (poller)."
+)
+@click.option(
+    "--max-dead-letters", type=int, metavar="N", help="Exit 3 above N dead letters (poller)."
+)
+@click.option("--require-active", is_flag=True, help="Exit 3 when no relay streams the slot.")
+def status_command(
+    dsn: str,
+    slot: str,
+    publication: str,
+    table: str,
+    as_json: bool,
+    max_wal_retained: int | None,
+    max_unprocessed: int | None,
+    max_dead_letters: int | None,
+    require_active: bool,
+) -> None:
+    """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
+
+    With thresholds it is a check for scripts and cron: exit 3 when one is crossed.
+    """
+    state = status(dsn, slot, table)
+    alerts = []
+    if not state["exists"]:
+        alerts.append(f"slot {slot} does not exist")
+    if require_active and not state["active"]:
+        alerts.append(f"no relay is streaming slot {slot}")
+    for key, limit, what in (
+        ("wal_retained_bytes", max_wal_retained, "bytes of WAL retained"),
+        ("unprocessed_rows", max_unprocessed, "unprocessed rows"),
+        ("dead_letters", max_dead_letters, "dead letters"),
+    ):
+        if limit is not None and (state[key] or 0) > limit:
+            alerts.append(f"{state[key]} {what} (limit {limit})")
+    if as_json:
+        click.echo(json.dumps({**state, "alerts": alerts}))
+    else:
+        rows = [
+            ("slot", slot if state["exists"] else f"{slot} (missing)"),
+            ("active", f"yes (pid {state['active_pid']})" if state["active"] else "no"),
+            ("plugin", state["plugin"] or "-"),
+            ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
+            ("WAL retained", _bytes(state["wal_retained_bytes"])),
+            ("outbox table", state["table"]),
+            ("unprocessed rows", _count(state["unprocessed_rows"])),
+            ("dead letters", _count(state["dead_letters"])),
+        ]
+        for name, value in rows:
+            click.echo(f"{name:<17} {value}")
+        for alert in alerts:
+            click.echo(f"ALERT: {alert}", err=True)
+    if alerts:
+        sys.exit(3)
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    size = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return str(value)
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 @cli.command("stream")
 @database_options
 @_option(
@@ -185,6 +297,7 @@ def drop_slot(dsn: str, slot: str, publication: str, table: str, yes: bool) -> N
     show_default=True,
     help="Seconds between progress lines in the log.",
 )
+@metrics_options
 @log_options
 def stream(
     dsn: str,
@@ -199,6 +312,8 @@ def stream(
     shutdown_timeout: float,
     kafka_timeout: float,
     progress_interval: float,
+    metrics_port: int,
+    metrics_host: str,
     log_format: str,
     log_level: str,
 ) -> None:
@@ -221,7 +336,7 @@ def stream(
         kafka_timeout=kafka_timeout,
         progress_interval=progress_interval,
     )
-    relay = StreamRelay(settings)
+    relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: relay.request_stop())
     relay.run()

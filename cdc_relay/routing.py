@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cdc_relay.errors import DeliveryError, UsageError
 from cdc_relay.events import OutboxEvent
+from cdc_relay.lsn import Lsn
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
 TEMPLATE_FIELDS = frozenset({"aggregate_type", "event_type"})
@@ -24,6 +25,7 @@ class Message:
     key: bytes
     value: bytes | None
     headers: list[tuple[str, bytes]]
+    lsn: Lsn = 0  # where the event was committed (0 when not from a slot); never sent
 
 
 class Router:
@@ -53,6 +55,7 @@ class Router:
                 ("event_type", event.event_type.encode()),
                 ("aggregate_type", event.aggregate_type.encode()),
             ],
+            lsn=event.commit_lsn,
         )
 
     def topic(self, event: OutboxEvent) -> str:

@@ -7,6 +7,7 @@ the caller can keep the replication connection alive while it waits (back-pressu
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -14,6 +15,8 @@ from typing import Any, cast
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
+from cdc_relay.lsn import format_lsn
+from cdc_relay.metrics import EVENTS_FAILED
 from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,8 @@ DEFAULTS = {
     "message.timeout.ms": "0",
     "queue.buffering.max.messages": "100000",
     "queue.buffering.max.kbytes": "131072",
+    # Statistics tell whether a broker connection is up (readiness, cdc_relay_connected).
+    "statistics.interval.ms": "5000",
 }
 
 
@@ -55,14 +60,20 @@ Acked = Callable[[Any], None]
 class KafkaSink:
     """Produces routed messages and reports each acknowledgement with the caller's token."""
 
-    def __init__(self, config: Mapping[str, str], on_ack: Acked) -> None:
+    def __init__(self, config: Mapping[str, str], on_ack: Acked, relay: str = "stream") -> None:
         self._config = dict(config)
+        self._relay = relay
         self._on_ack = on_ack
         self.failure: DeliveryError | None = None
         self.connected = False
         try:
             self._producer = Producer(
-                {**self._config, "error_cb": self._on_error, "logger": _KAFKA_LOG}
+                {
+                    **self._config,
+                    "error_cb": self._on_error,
+                    "stats_cb": self._on_stats,
+                    "logger": _KAFKA_LOG,
+                }
             )
         except KafkaException as exc:
             raise UsageError(f"Kafka client settings: {exc.args[0].str()}") from None
@@ -87,12 +98,12 @@ class KafkaSink:
                 key=message.key,
                 headers=cast(list[tuple[str, str | bytes | None]], message.headers),
                 # The headers name the event if Kafka refuses it: delivery reports lack them.
-                on_delivery=functools.partial(self._delivered, token, message.headers),
+                on_delivery=functools.partial(self._delivered, token, message.headers, message.lsn),
             )
         except BufferError:
             return False
         except KafkaException as exc:
-            raise _refused(message, exc.args[0]) from None
+            raise _refused(message, exc.args[0], self._relay) from None
         return True
 
     def poll(self, timeout: float = 0) -> None:
@@ -120,13 +131,26 @@ class KafkaSink:
         return left
 
     def _delivered(
-        self, token: Any, headers: list[tuple[str, bytes]], err: KafkaError | None, msg: Any
+        self,
+        token: Any,
+        headers: list[tuple[str, bytes]],
+        message_lsn: int,
+        err: KafkaError | None,
+        msg: Any,
     ) -> None:
         if err is None:
             self.connected = True
             self._on_ack(token)
         elif self.failure is None:
-            self.failure = _refused(Message(msg.topic(), msg.key(), None, headers), err)
+            refused = Message(msg.topic(), msg.key(), None, headers, message_lsn)
+            self.failure = _refused(refused, err, self._relay)
+
+    def _on_stats(self, stats_json: str) -> None:
+        try:
+            brokers = json.loads(stats_json).get("brokers", {}).values()
+        except ValueError:
+            return
+        self.connected = any(b.get("state") == "UP" and b.get("nodeid", -1) >= 0 for b in brokers)
 
     def _on_error(self, err: KafkaError) -> None:
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
@@ -138,7 +162,7 @@ class KafkaSink:
             log.warning("kafka: %s", err.str(), extra={"action": "kafka_error"})
 
 
-def _refused(message: Message, err: KafkaError) -> DeliveryError:
+def _refused(message: Message, err: KafkaError, relay: str) -> DeliveryError:
     headers = dict(message.headers)
     event_id = headers.get("id", b"?").decode(errors="replace")
     event_type = headers.get("event_type", b"?").decode(errors="replace")
@@ -152,6 +176,7 @@ def _refused(message: Message, err: KafkaError) -> DeliveryError:
         f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "
         f"for topic {message.topic}: {err.str()}; {remedy}"
     )
+    EVENTS_FAILED.labels(relay=relay, event_type=event_type).inc()
     log.error(
         "event refused",
         extra={
@@ -159,6 +184,7 @@ def _refused(message: Message, err: KafkaError) -> DeliveryError:
             "event_id": event_id,
             "event_type": event_type,
             "aggregate_id": aggregate_id,
+            "lsn": format_lsn(message.lsn) if message.lsn else None,
             "error": err.str(),
         },
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +12,10 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
+from cdc_relay.metrics import WAL_RETAINED
 from cdc_relay.queries import QUERIES
+
+log = logging.getLogger(__name__)
 
 PLUGINS = ("pgoutput", "wal2json")
 MIN_VERSION_NUM = 140000
@@ -166,10 +171,29 @@ def _check_slot(spec: SlotSpec, database: str, slot: dict[str, Any]) -> None:
         )
 
 
-def status(dsn: str, slot_name: str) -> dict[str, Any]:
-    """The slot's row of pg_replication_slots (empty when it does not exist)."""
+def status(dsn: str, slot_name: str, table: str) -> dict[str, Any]:
+    """The slot's state and the outbox's counts, for ``cdc-relay status``."""
     with connect(dsn) as conn:
-        return _one(conn, "slot", slot=slot_name)
+        slot = _one(conn, "slot", slot=slot_name)
+        found = _one(conn, "table", table=table)
+        counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
+        if found:
+            statement = sql.SQL(QUERIES["unprocessed_count"]).format(table=sql.SQL(found["name"]))
+            counts.update(conn.execute(statement).fetchone() or {})
+        if _one(conn, "dead_letter_view").get("present"):
+            counts.update(_one(conn, "dead_letter_count"))
+    return {
+        "slot": slot_name,
+        "exists": bool(slot),
+        "active": bool(slot.get("active")),
+        "active_pid": slot.get("active_pid"),
+        "plugin": slot.get("plugin"),
+        "confirmed_flush_lsn": slot.get("confirmed_flush_lsn"),
+        "wal_retained_bytes": slot.get("retained_bytes"),
+        "table": found.get("name") if found else table,
+        "unprocessed_rows": counts.get("unprocessed"),
+        "dead_letters": counts.get("dead_letters"),
+    }
 
 
 def drop(dsn: str, spec: SlotSpec) -> list[str]:
@@ -193,3 +217,40 @@ def drop(dsn: str, spec: SlotSpec) -> list[str]:
             )
             removed.append(f"publication {spec.publication}")
     return removed
+
+
+class SlotWatcher:
+    """Reads the WAL the slot retains every ``interval`` seconds, for the metrics, in a thread.
+
+    Its own connection, so a slow query never holds up the replication loop.
+    """
+
+    def __init__(self, dsn: str, slot: str, interval: float = 10.0) -> None:
+        self._dsn = dsn
+        self._slot = slot
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slot-watcher", daemon=True)
+
+    def start(self) -> SlotWatcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        conn: psycopg.Connection[dict[str, Any]] | None = None
+        while not self._stop.is_set():
+            try:
+                if conn is None or conn.closed:
+                    conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
+                row = _one(conn, "slot", slot=self._slot)
+                if row.get("retained_bytes") is not None:
+                    WAL_RETAINED.set(row["retained_bytes"])
+            except psycopg.Error as exc:
+                log.debug("slot watcher: %s", exc)
+                conn = None
+            self._stop.wait(self._interval)
+        if conn is not None:
+            conn.close()

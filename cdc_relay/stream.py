@@ -16,11 +16,21 @@ from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.errors import DecodeError, PreflightError, RelayError
 from cdc_relay.events import Begin, Commit, Insert, Record, Relation, RowMapper
 from cdc_relay.lsn import Lsn, format_lsn
+from cdc_relay.metrics import (
+    CONFIRMED_LSN,
+    CONNECTED,
+    EVENTS_PENDING,
+    EVENTS_PUBLISHED,
+    IN_FLIGHT,
+    LATENCY,
+    SINCE_LAST_EVENT,
+    Health,
+)
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
-from cdc_relay.slot import connect
+from cdc_relay.slot import SlotWatcher, connect
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +69,15 @@ class _Stopping(Exception):
 class StreamRelay:
     """Streams one slot to Kafka until stopped; confirms only acknowledged positions."""
 
-    def __init__(self, settings: StreamSettings) -> None:
+    def __init__(self, settings: StreamSettings, health: Health | None = None) -> None:
         self.settings = settings
+        self.health = health or Health()
         self.tracker = LsnTracker()
         self.router = Router(settings.topic_template)
-        self.sink = KafkaSink(settings.kafka_config, on_ack=self.tracker.acked)
+        self.sink = KafkaSink(settings.kafka_config, on_ack=self._acked, relay="stream")
         self.progress = Progress()
+        self._published = EVENTS_PUBLISHED.labels(relay="stream")
+        self._last_event = time.monotonic()
         self._table: tuple[str, str] = ("", "")
         self._stop = False
         self._conn: ReplicationConnection | None = None
@@ -76,15 +89,39 @@ class StreamRelay:
         self._last_progress = time.monotonic()
         self._sent_flush: Lsn = -1
 
+    def _acked(self, transaction: Transaction) -> None:
+        self.tracker.acked(transaction)
+        self._published.inc()
+        LATENCY.observe(max(0.0, time.time() - transaction.commit_time_us / 1e6))
+
+    def _register_metrics(self) -> None:
+        """Gauges read on scrape, from the relay's own state."""
+        IN_FLIGHT.set_function(lambda: self.tracker.in_flight)
+        EVENTS_PENDING.set_function(lambda: self.tracker.in_flight)
+        CONFIRMED_LSN.set_function(lambda: max(self._sent_flush, 0))
+        SINCE_LAST_EVENT.set_function(lambda: time.monotonic() - self._last_event)
+        CONNECTED.labels(service="postgres").set_function(lambda: self._conn is not None)
+        CONNECTED.labels(service="kafka").set_function(lambda: self.sink.connected)
+        self.health.readiness = self._readiness
+
+    def _readiness(self) -> tuple[bool, str]:
+        if self._conn is None:
+            return False, "not connected to PostgreSQL"
+        if not self.sink.connected:
+            return False, "not connected to Kafka"
+        return True, "ok"
+
     def request_stop(self) -> None:
         """Stop reading, wait (bounded) for acks, confirm, return from ``run``. Signal-safe."""
         self._stop = True
 
     def run(self) -> None:
         """Stream until ``request_stop``; raise RelayError on a failure the user must fix."""
+        self._register_metrics()
         self._table, confirmed = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
         self._conn = self._open()
+        watcher = SlotWatcher(self.settings.dsn, self.settings.slot).start()
         log.info(
             "streaming slot %s from %s",
             self.settings.slot,
@@ -101,6 +138,7 @@ class StreamRelay:
         except _Stopping:
             pass
         finally:
+            watcher.stop()
             self._shutdown()
 
     # -- the loop -------------------------------------------------------------------------
@@ -145,7 +183,7 @@ class StreamRelay:
             self._send(self.router.route(event), self._transaction)
         elif isinstance(record, Begin):
             self._begin = record
-            self._transaction = self.tracker.begin()
+            self._transaction = self.tracker.begin(record.commit_time_us)
         elif isinstance(record, Commit):
             if self._transaction is not None:
                 self.tracker.commit(self._transaction, record.end_lsn)
@@ -165,8 +203,10 @@ class StreamRelay:
             if self._stop:
                 raise _Stopping
         self.progress.events += 1
+        self._last_event = time.monotonic()
 
     def _send_status(self, force: bool = False) -> None:
+        self.health.beat()
         now = time.monotonic()
         since = now - self._last_status
         safe = self.tracker.safe_lsn

@@ -77,3 +77,14 @@ SELECT n.nspname AS schema, c.relname AS name
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = to_regclass(%(table)s)
+
+-- unprocessed_count --
+-- Rows the polling relay has not processed yet
+SELECT count(*)::bigint AS unprocessed FROM {table} WHERE processed_at IS NULL
+
+-- dead_letter_view --
+-- Whether the poller's dead-letter view exists
+SELECT to_regclass('outbox_dead_letters') IS NOT NULL AS present
+
+-- dead_letter_count --
+SELECT count(*)::bigint AS dead_letters FROM outbox_dead_letters

@@ -1,0 +1,125 @@
+"""Every Prometheus metric of cdc-relay, and the HTTP endpoint that serves them with health.
+
+``/metrics`` (Prometheus text format), ``/healthz`` (the relay's loop is alive) and
+``/readyz`` (connected to PostgreSQL and Kafka and making progress) share one port.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, make_wsgi_app
+
+# -- the usual outbox names (both relays) -----------------------------------------------------
+
+EVENTS_PUBLISHED = Counter(
+    "outbox_events_published",
+    "Events Kafka acknowledged.",
+    ["relay"],
+)
+EVENTS_FAILED = Counter(
+    "outbox_events_failed",
+    "Events Kafka refused (the stream relay stops; the poller retries, then dead-letters).",
+    ["relay", "event_type"],
+)
+EVENTS_PENDING = Gauge(
+    "outbox_events_pending",
+    "Events not yet acknowledged: the poller's unprocessed rows, the stream's events in flight.",
+)
+DEAD_LETTERS = Gauge(
+    "outbox_dead_letters",
+    "Rows the poller gave up on (attempts >= max attempts).",
+)
+BATCH_DURATION = Histogram(
+    "outbox_batch_duration_seconds",
+    "Time from claiming a poller batch to committing it.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+
+# -- the CDC relay ----------------------------------------------------------------------------
+
+WAL_RETAINED = Gauge(
+    "cdc_relay_slot_wal_retained_bytes",
+    "WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn).",
+)
+CONFIRMED_LSN = Gauge(
+    "cdc_relay_confirmed_lsn",
+    "The last position confirmed to PostgreSQL, as a number.",
+)
+LATENCY = Histogram(
+    "cdc_relay_end_to_end_latency_seconds",
+    "From the transaction's commit in PostgreSQL to Kafka's acknowledgement of its event.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+IN_FLIGHT = Gauge(
+    "cdc_relay_events_in_flight",
+    "Events handed to the producer and not yet acknowledged.",
+)
+SINCE_LAST_EVENT = Gauge(
+    "cdc_relay_seconds_since_last_event",
+    "Seconds since the relay last read an event.",
+)
+CONNECTED = Gauge(
+    "cdc_relay_connected",
+    "1 while connected to the service.",
+    ["service"],
+)
+
+
+class Health:
+    """What the health endpoints report; the relay's loop calls ``beat`` as it turns."""
+
+    def __init__(self, liveness_timeout: float = 60.0) -> None:
+        self._beat = time.monotonic()
+        self._liveness_timeout = liveness_timeout
+        self.readiness: Callable[[], tuple[bool, str]] = lambda: (False, "starting")
+
+    def beat(self) -> None:
+        self._beat = time.monotonic()
+
+    def alive(self) -> tuple[bool, str]:
+        stalled = time.monotonic() - self._beat
+        if stalled > self._liveness_timeout:
+            return False, f"loop stalled for {stalled:.0f}s"
+        return True, "ok"
+
+    def ready(self) -> tuple[bool, str]:
+        alive, reason = self.alive()
+        return self.readiness() if alive else (False, reason)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes and probes are not worth a log line each."""
+
+
+def _app(health: Health) -> Callable[..., Iterable[bytes]]:
+    metrics = make_wsgi_app(REGISTRY)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path in ("/healthz", "/readyz"):
+            ok, reason = health.alive() if path == "/healthz" else health.ready()
+            status = "200 OK" if ok else "503 Service Unavailable"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [reason.encode() + b"\n"]
+        result: Iterable[bytes] = metrics(environ, start_response)
+        return result
+
+    return app
+
+
+def serve(host: str, port: int, health: Health) -> WSGIServer:
+    """Serve /metrics, /healthz and /readyz in a daemon thread; return the server."""
+    server = make_server(host, port, _app(health), _Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
