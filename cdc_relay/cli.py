@@ -20,6 +20,7 @@ from cdc_relay.config import (
     kafka_settings,
 )
 from cdc_relay.errors import RelayError, UsageError
+from cdc_relay.events import OutboxLayout
 from cdc_relay.metrics import Health, serve
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE
 from cdc_relay.sink import producer_config
@@ -29,9 +30,9 @@ from cdc_relay.stream import StreamRelay, StreamSettings
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _option(name: str, **kwargs: Any) -> Callable[[F], F]:
+def _option(name: str, *more: str, **kwargs: Any) -> Callable[[F], F]:
     """A click option that also reads CDC_RELAY_<NAME> and shows it in --help."""
-    return click.option(name, envvar=env(name), show_envvar=True, **kwargs)
+    return click.option(name, *more, envvar=env(name), show_envvar=True, **kwargs)
 
 
 def database_options(func: F) -> F:
@@ -297,6 +298,38 @@ def _count(value: int | None) -> str:
     show_default=True,
     help="Seconds between progress lines in the log.",
 )
+@_option(
+    "--column",
+    "columns",
+    multiple=True,
+    metavar="FIELD=COLUMN",
+    help="Map an event field (id, aggregate_type, aggregate_id, event_type, payload) to a "
+    "column of your outbox table; repeatable.",
+)
+@_option(
+    "--header-column",
+    "header_columns",
+    multiple=True,
+    metavar="COLUMN",
+    help="Send this column of the outbox table as a header of the same name; repeatable.",
+)
+@_option(
+    "--message-prefix",
+    default="outbox",
+    show_default=True,
+    help="Prefix of pg_logical_emit_message() messages that carry events.",
+)
+@_option(
+    "--tombstone-on-empty-payload",
+    is_flag=True,
+    help="Publish NULL and empty payloads as tombstones (null value); without it a NULL "
+    "payload stops the relay.",
+)
+@_option(
+    "--dead-letter-topic",
+    help="Send events Kafka refuses for good (too large, ...) here, with the error in "
+    "headers, and go on; without it the relay stops at such an event.",
+)
 @metrics_options
 @log_options
 def stream(
@@ -312,6 +345,11 @@ def stream(
     shutdown_timeout: float,
     kafka_timeout: float,
     progress_interval: float,
+    columns: tuple[str, ...],
+    header_columns: tuple[str, ...],
+    message_prefix: str,
+    tombstone_on_empty_payload: bool,
+    dead_letter_topic: str | None,
     metrics_port: int,
     metrics_host: str,
     log_format: str,
@@ -335,6 +373,10 @@ def stream(
         shutdown_timeout=shutdown_timeout,
         kafka_timeout=kafka_timeout,
         progress_interval=progress_interval,
+        layout=OutboxLayout.from_options(columns, header_columns),
+        message_prefix=message_prefix,
+        tombstone_on_empty=tombstone_on_empty_payload,
+        dead_letter_topic=dead_letter_topic,
     )
     relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cdc_relay.errors import RelayError
+from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.lsn import Lsn
 
 # Microseconds between the Unix epoch and PostgreSQL's (2000-01-01 UTC).
@@ -71,34 +73,74 @@ class Insert:
 
 
 @dataclass(frozen=True, slots=True)
+class LogicalMessage:
+    """A message written with ``pg_logical_emit_message(transactional, prefix, content)``."""
+
+    transactional: bool
+    lsn: Lsn
+    prefix: str
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Ignored:
     """A message the relay does not act on (update, delete, truncate, origin, type, ...)."""
 
     kind: str
 
 
-Record = Begin | Commit | Relation | Insert | Ignored
+Record = Begin | Commit | Relation | Insert | LogicalMessage | Ignored
 
 
 @dataclass(frozen=True, slots=True)
 class OutboxEvent:
-    """One committed outbox row, ready for routing."""
+    """One committed outbox event (a row or a logical decoding message), ready for routing."""
 
     id: str
     aggregate_type: str
-    aggregate_id: str
+    aggregate_id: str | None  # NULL: a message without a key
     event_type: str
     payload: bytes | None
     commit_lsn: Lsn
     xid: int
     commit_time_us: int
+    headers: tuple[tuple[str, bytes], ...] = ()  # extra columns chosen as headers
 
 
 class SchemaError(RelayError):
-    """The outbox table lacks a column the relay needs."""
+    """The outbox table or an event lacks something the relay needs."""
 
 
-REQUIRED_COLUMNS = ("id", "aggregate_type", "aggregate_id", "event_type", "payload")
+FIELDS = ("id", "aggregate_type", "aggregate_id", "event_type", "payload")
+
+
+@dataclass(frozen=True)
+class OutboxLayout:
+    """Which column holds which field of an event, and which extra columns become headers."""
+
+    id: str = "id"
+    aggregate_type: str = "aggregate_type"
+    aggregate_id: str = "aggregate_id"
+    event_type: str = "event_type"
+    payload: str = "payload"
+    header_columns: tuple[str, ...] = ()
+
+    @classmethod
+    def from_options(cls, mappings: Iterable[str], header_columns: Iterable[str]) -> OutboxLayout:
+        """From ``--column FIELD=COLUMN`` pairs and ``--header-column`` names."""
+        names: dict[str, str] = {}
+        for mapping in mappings:
+            field, sep, column = mapping.partition("=")
+            if not sep or field.strip() not in FIELDS or not column.strip():
+                raise UsageError(
+                    f"--column {mapping!r}: write FIELD=COLUMN with FIELD one of "
+                    f"{', '.join(FIELDS)}, e.g. --column aggregate_type=aggregatetype"
+                )
+            names[field.strip()] = column.strip()
+        return cls(**names, header_columns=tuple(header_columns))
+
+    def column(self, field: str) -> str:
+        return str(getattr(self, field))
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,36 +153,64 @@ class RowMapper:
     aggregate_id: int
     event_type: int
     payload: int
+    headers: tuple[tuple[str, int], ...]
 
     @classmethod
-    def for_relation(cls, relation: Relation) -> RowMapper:
+    def for_relation(cls, relation: Relation, layout: OutboxLayout | None = None) -> RowMapper:
+        layout = layout or OutboxLayout()
         positions = {column.name: i for i, column in enumerate(relation.columns)}
-        missing = [name for name in REQUIRED_COLUMNS if name not in positions]
+        missing = [layout.column(f) for f in FIELDS if layout.column(f) not in positions]
         if missing:
             raise SchemaError(
                 f"table {relation.qualified_name} has no column {', '.join(missing)}; "
-                "restore it (see sql/outbox.sql) and restart the relay"
+                "restore it (see sql/outbox.sql) or map yours with --column, then restart "
+                "the relay: it resumes after the last event Kafka acknowledged"
             )
-        return cls(relation.relid, *(positions[name] for name in REQUIRED_COLUMNS))
+        # A header column that is gone is optional: the header is left out.
+        headers = tuple(
+            (name, positions[name]) for name in layout.header_columns if name in positions
+        )
+        return cls(
+            relid=relation.relid,
+            id=positions[layout.id],
+            aggregate_type=positions[layout.aggregate_type],
+            aggregate_id=positions[layout.aggregate_id],
+            event_type=positions[layout.event_type],
+            payload=positions[layout.payload],
+            headers=headers,
+        )
 
     def event(self, row: Insert, begin: Begin) -> OutboxEvent:
         values = row.values
+        if len(values) <= max(self.id, self.aggregate_type, self.event_type, self.payload):
+            raise SchemaError("a row arrived with fewer columns than its table announced")
+        event_id = _text(values[self.id], "id")
         return OutboxEvent(
-            id=_text(values[self.id], "id"),
-            aggregate_type=_text(values[self.aggregate_type], "aggregate_type"),
-            aggregate_id=_text(values[self.aggregate_id], "aggregate_id"),
-            event_type=_text(values[self.event_type], "event_type"),
+            id=event_id,
+            aggregate_type=_text(values[self.aggregate_type], "aggregate_type", event_id),
+            aggregate_id=_optional_text(values[self.aggregate_id], "aggregate_id"),
+            event_type=_text(values[self.event_type], "event_type", event_id),
             payload=_payload(values[self.payload]),
             commit_lsn=begin.final_lsn,
             xid=begin.xid,
             commit_time_us=begin.commit_time_us,
+            headers=tuple(
+                (name, value)
+                for name, position in self.headers
+                if isinstance(value := values[position], bytes)
+            ),
         )
 
 
-def _text(value: Value, column: str) -> str:
+def _text(value: Value, column: str, event_id: str | None = None) -> str:
     if not isinstance(value, bytes):
-        raise SchemaError(f"outbox column {column} is NULL in a new row; make it NOT NULL")
+        which = f"event {event_id}" if event_id else "a new row"
+        raise SchemaError(f"outbox column {column} is NULL in {which}; make the column NOT NULL")
     return value.decode()
+
+
+def _optional_text(value: Value, column: str) -> str | None:
+    return None if value is None else _text(value, column)
 
 
 def _payload(value: Value) -> bytes | None:
@@ -148,3 +218,94 @@ def _payload(value: Value) -> bytes | None:
         # An INSERT always carries every value; UNCHANGED here means a plugin bug.
         raise SchemaError("the payload of a new outbox row arrived without its value")
     return value
+
+
+def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
+    """An event from a logical decoding message whose content is the JSON envelope
+    ``{"id", "aggregate_type", "aggregate_id", "event_type", "payload"}``.
+
+    The payload is written as PostgreSQL prints jsonb, so an event sent this way and the
+    same event sent as a table row are byte-identical on Kafka.
+    """
+    try:
+        envelope = json.loads(message.content, parse_int=_Number, parse_float=_Number)
+    except (ValueError, RecursionError):
+        raise SchemaError(
+            f"logical message at {message.lsn:X} with prefix {message.prefix!r} is not JSON; "
+            "write it with outbox_emit() (sql/outbox.sql)"
+        ) from None
+    if not isinstance(envelope, dict):
+        raise SchemaError(f"logical message at {message.lsn:X} is not a JSON object")
+
+    def text(field: str, required: bool = True) -> str | None:
+        value = envelope.get(field)
+        if value is None and not required:
+            return None
+        if not isinstance(value, str | _Number):
+            raise SchemaError(f"logical outbox message at {message.lsn:X} lacks a string {field!r}")
+        return str(value)
+
+    payload = envelope.get("payload", None)
+    return OutboxEvent(
+        id=str(text("id")),
+        aggregate_type=str(text("aggregate_type")),
+        aggregate_id=text("aggregate_id", required=False),
+        event_type=str(text("event_type")),
+        payload=None if payload is None else jsonb_text(payload).encode(),
+        commit_lsn=begin.final_lsn if begin else message.lsn,
+        xid=begin.xid if begin else 0,
+        commit_time_us=begin.commit_time_us if begin else 0,
+    )
+
+
+class _Number(str):
+    """A JSON number kept as the digits written, as jsonb keeps them."""
+
+    __slots__ = ()
+
+
+def jsonb_text(value: object) -> str:
+    """``value`` as PostgreSQL's jsonb output writes it: keys by length then bytes, ", " and
+    ": " separators, non-ASCII kept, numbers as written."""
+    if isinstance(value, _Number):
+        return str(value)
+    if isinstance(value, str):
+        return _json_string(value)
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(jsonb_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        keys = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
+        return "{" + ", ".join(f"{_json_string(k)}: {jsonb_text(value[k])}" for k in keys) + "}"
+    raise SchemaError(f"unexpected JSON value {value!r}")
+
+
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+}
+
+
+def _json_string(text: str) -> str:
+    out = []
+    for char in text:
+        escaped = _ESCAPES.get(char)
+        if escaped is not None:
+            out.append(escaped)
+        elif char < " ":
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'

@@ -20,6 +20,7 @@ from cdc_relay.events import (
     Commit,
     Ignored,
     Insert,
+    LogicalMessage,
     Record,
     Relation,
     Value,
@@ -177,12 +178,13 @@ def _type(r: _Reader) -> Record:
 
 
 def _message(r: _Reader) -> Record:
-    r.byte()  # flags: transactional or not
-    r.unpack(_INT64)
-    r.string()
+    flags = r.byte()
+    (lsn,) = r.unpack(_INT64)
+    prefix = r.string()
     (size,) = r.unpack(_INT32)
-    r.take(size)
-    return Ignored("message")
+    return LogicalMessage(
+        transactional=bool(flags & 1), lsn=lsn, prefix=prefix, content=r.take(size)
+    )
 
 
 _DECODERS: dict[int, Callable[[_Reader], Record]] = {

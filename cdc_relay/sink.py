@@ -60,10 +60,20 @@ Acked = Callable[[Any], None]
 class KafkaSink:
     """Produces routed messages and reports each acknowledgement with the caller's token."""
 
-    def __init__(self, config: Mapping[str, str], on_ack: Acked, relay: str = "stream") -> None:
+    def __init__(
+        self,
+        config: Mapping[str, str],
+        on_ack: Acked,
+        relay: str = "stream",
+        dead_letter_topic: str | None = None,
+    ) -> None:
         self._config = dict(config)
         self._relay = relay
         self._on_ack = on_ack
+        self._dead_letter_topic = dead_letter_topic
+        # Refused messages waiting to go to the dead-letter topic (produced from poll, not
+        # from inside a delivery report, where the queue may be full).
+        self._to_dead_letter: list[tuple[Message, KafkaError, int, Any]] = []
         self.failure: DeliveryError | None = None
         self.connected = False
         try:
@@ -92,25 +102,70 @@ class KafkaSink:
     def offer(self, message: Message, token: Any) -> bool:
         """Hand a message to the producer; False when its queue is full (poll, then retry)."""
         try:
-            self._producer.produce(
-                message.topic,
-                value=message.value,
-                key=message.key,
-                headers=cast(list[tuple[str, str | bytes | None]], message.headers),
+            self._produce(
+                message,
                 # The headers name the event if Kafka refuses it: delivery reports lack them.
-                on_delivery=functools.partial(self._delivered, token, message.headers, message.lsn),
+                functools.partial(self._delivered, token, message.headers, message.lsn),
             )
         except BufferError:
             return False
         except KafkaException as exc:
-            raise _refused(message, exc.args[0], self._relay) from None
+            if self._dead_letter_topic is None:
+                raise _refused(message, exc.args[0], self._relay) from None
+            self._to_dead_letter.append((message, exc.args[0], len(message.value or b""), token))
         return True
+
+    def _produce(self, message: Message, on_delivery: Callable[..., None]) -> None:
+        self._producer.produce(
+            message.topic,
+            value=message.value,
+            key=message.key,
+            headers=cast(list[tuple[str, str | bytes | None]], message.headers),
+            on_delivery=on_delivery,
+        )
 
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports (calls ``on_ack``); raise if Kafka refused an event."""
         self._producer.poll(timeout)
+        if self._to_dead_letter:
+            self._send_dead_letters()
         if self.failure is not None:
             raise self.failure
+
+    def _send_dead_letters(self) -> None:
+        """Refused events go to the dead-letter topic: same key and headers, no value, the
+        error in headers. Their acknowledgement stands for the refused event's."""
+        while self._to_dead_letter:
+            message, err, size, token = self._to_dead_letter[0]
+            letter = Message(
+                topic=str(self._dead_letter_topic),
+                key=message.key,
+                value=None,
+                headers=[
+                    *message.headers,
+                    ("error", err.str().encode()),
+                    ("error_code", str(err.name()).encode()),
+                    ("original_topic", message.topic.encode()),
+                    ("payload_bytes", str(size).encode()),
+                ],
+                lsn=message.lsn,
+            )
+            try:
+                self._produce(letter, functools.partial(self._dead_lettered, token, letter))
+            except BufferError:
+                return  # the next poll tries again
+            except KafkaException as exc:
+                self.failure = _refused(letter, exc.args[0], self._relay)
+                return
+            self._to_dead_letter.pop(0)
+            _log_event(log.warning, "event sent to the dead-letter topic", message, err)
+            EVENTS_FAILED.labels(relay=self._relay, event_type=_header(message, "event_type")).inc()
+
+    def _dead_lettered(self, token: Any, letter: Message, err: KafkaError | None, _: Any) -> None:
+        if err is None:
+            self._on_ack(token)
+        elif self.failure is None:
+            self.failure = _refused(letter, err, self._relay)
 
     def settle(self, timeout: float) -> None:
         """Serve delivery reports for up to ``timeout`` seconds, or until none is outstanding.
@@ -141,8 +196,11 @@ class KafkaSink:
         if err is None:
             self.connected = True
             self._on_ack(token)
+            return
+        refused = Message(msg.topic(), msg.key(), None, headers, message_lsn)
+        if self._dead_letter_topic is not None:
+            self._to_dead_letter.append((refused, err, msg.len() or 0, token))
         elif self.failure is None:
-            refused = Message(msg.topic(), msg.key(), None, headers, message_lsn)
             self.failure = _refused(refused, err, self._relay)
 
     def _on_stats(self, stats_json: str) -> None:
@@ -162,30 +220,40 @@ class KafkaSink:
             log.warning("kafka: %s", err.str(), extra={"action": "kafka_error"})
 
 
-def _refused(message: Message, err: KafkaError, relay: str) -> DeliveryError:
-    headers = dict(message.headers)
-    event_id = headers.get("id", b"?").decode(errors="replace")
-    event_type = headers.get("event_type", b"?").decode(errors="replace")
-    aggregate_id = message.key.decode(errors="replace") if message.key else "?"
-    remedy = {
-        KafkaError.MSG_SIZE_TOO_LARGE: "raise message.max.bytes (broker or topic) and "
-        "--kafka-config message.max.bytes, or make the event smaller",
-        KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the relay's principal WRITE on the topic",
-    }.get(err.code(), "fix the cause and restart the relay; it resumes from this event")
-    error = DeliveryError(
-        f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "
-        f"for topic {message.topic}: {err.str()}; {remedy}"
-    )
-    EVENTS_FAILED.labels(relay=relay, event_type=event_type).inc()
-    log.error(
-        "event refused",
+def _header(message: Message, name: str) -> str:
+    for key, value in message.headers:
+        if key == name:
+            return value.decode(errors="replace")
+    return "?"
+
+
+def _log_event(emit: Callable[..., None], text: str, message: Message, err: KafkaError) -> None:
+    emit(
+        text,
         extra={
             "action": "event_refused",
-            "event_id": event_id,
-            "event_type": event_type,
-            "aggregate_id": aggregate_id,
+            "event_id": _header(message, "id"),
+            "event_type": _header(message, "event_type"),
+            "aggregate_id": message.key.decode(errors="replace") if message.key else None,
             "lsn": format_lsn(message.lsn) if message.lsn else None,
             "error": err.str(),
         },
     )
-    return error
+
+
+def _refused(message: Message, err: KafkaError, relay: str) -> DeliveryError:
+    event_id = _header(message, "id")
+    event_type = _header(message, "event_type")
+    aggregate_id = message.key.decode(errors="replace") if message.key else "?"
+    remedy = {
+        KafkaError.MSG_SIZE_TOO_LARGE: "raise message.max.bytes (broker or topic) and "
+        "--kafka-config message.max.bytes, make the event smaller, or pass "
+        "--dead-letter-topic",
+        KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the relay's principal WRITE on the topic",
+    }.get(err.code(), "fix the cause and restart the relay; it resumes from this event")
+    EVENTS_FAILED.labels(relay=relay, event_type=event_type).inc()
+    _log_event(log.error, "event refused", message, err)
+    return DeliveryError(
+        f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "
+        f"for topic {message.topic}: {err.str()}; {remedy}"
+    )

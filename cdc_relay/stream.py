@@ -9,12 +9,23 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from cdc_relay import pgoutput
+from cdc_relay import pgoutput, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.errors import DecodeError, PreflightError, RelayError
-from cdc_relay.events import Begin, Commit, Insert, Record, Relation, RowMapper
+from cdc_relay.events import (
+    Begin,
+    Commit,
+    Insert,
+    LogicalMessage,
+    OutboxLayout,
+    Record,
+    Relation,
+    RowMapper,
+    envelope_event,
+)
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
@@ -30,7 +41,8 @@ from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
-from cdc_relay.slot import SlotWatcher, connect
+from cdc_relay.slot import PLUGINS, SlotWatcher, connect
+from cdc_relay.wal2json import Wal2JsonDecoder
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,10 @@ class StreamSettings:
     shutdown_timeout: float = 30.0
     kafka_timeout: float = 15.0
     progress_interval: float = 10.0
+    layout: OutboxLayout = field(default_factory=OutboxLayout)
+    message_prefix: str = "outbox"
+    tombstone_on_empty: bool = False
+    dead_letter_topic: str | None = None
 
 
 @dataclass
@@ -60,6 +76,10 @@ class Progress:
     events: int = 0
     transactions: int = 0
     started: float = field(default_factory=time.monotonic)
+
+
+def _pgoutput(data: bytes) -> Sequence[Record]:
+    return (pgoutput.decode(data),)
 
 
 class _Stopping(Exception):
@@ -73,8 +93,15 @@ class StreamRelay:
         self.settings = settings
         self.health = health or Health()
         self.tracker = LsnTracker()
-        self.router = Router(settings.topic_template)
-        self.sink = KafkaSink(settings.kafka_config, on_ack=self._acked, relay="stream")
+        self.router = Router(settings.topic_template, settings.tombstone_on_empty)
+        self.sink = KafkaSink(
+            settings.kafka_config,
+            on_ack=self._acked,
+            relay="stream",
+            dead_letter_topic=settings.dead_letter_topic,
+        )
+        self._plugin = "pgoutput"
+        self._decode: Callable[[bytes], Sequence[Record]] = _pgoutput
         self.progress = Progress()
         self._published = EVENTS_PUBLISHED.labels(relay="stream")
         self._last_event = time.monotonic()
@@ -118,7 +145,7 @@ class StreamRelay:
     def run(self) -> None:
         """Stream until ``request_stop``; raise RelayError on a failure the user must fix."""
         self._register_metrics()
-        self._table, confirmed = self._check_database()
+        self._table, confirmed, self._plugin = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
         self._conn = self._open()
         watcher = SlotWatcher(self.settings.dsn, self.settings.slot).start()
@@ -159,13 +186,15 @@ class StreamRelay:
             else:
                 self._received = max(self._received, message.wal_end)
                 try:
-                    record = pgoutput.decode(message.data)
+                    records = self._decode(message.data)
                 except DecodeError as exc:
                     raise RelayError(
-                        f"cannot decode pgoutput message at {format_lsn(message.wal_start)}: "
-                        f"{exc}; this is a bug, please report it with the PostgreSQL version"
+                        f"cannot decode {self._plugin} message at "
+                        f"{format_lsn(message.wal_start)}: {exc}; this is a bug, please report "
+                        "it with the PostgreSQL and plugin versions"
                     ) from None
-                self._handle(record)
+                for record in records:
+                    self._handle(record)
             sink.poll(0)
             self._send_status()
 
@@ -192,7 +221,27 @@ class StreamRelay:
             self._transaction = None
         elif isinstance(record, Relation):
             ours = (record.namespace, record.name) == self._table
-            self._mappers[record.relid] = RowMapper.for_relation(record) if ours else None
+            self._mappers[record.relid] = (
+                RowMapper.for_relation(record, self.settings.layout) if ours else None
+            )
+        elif isinstance(record, LogicalMessage):
+            self._message(record)
+
+    def _message(self, record: LogicalMessage) -> None:
+        """A logical decoding message with our prefix is an event, routed like a row."""
+        if record.prefix != self.settings.message_prefix:
+            return  # another application's message
+        if record.transactional:
+            if self._transaction is None or self._begin is None:
+                raise RelayError("transactional message outside a transaction; please report it")
+            event = envelope_event(record, self._begin)
+            self._send(self.router.route(event), self._transaction)
+        else:
+            # Sent at once, even if its transaction rolls back: its own unit in the tracker.
+            event = envelope_event(record, None)
+            transaction = self.tracker.begin(time.time_ns() // 1000)
+            self._send(self.router.route(event), transaction)
+            self.tracker.commit(transaction, record.lsn)
 
     def _send(self, message: Message, transaction: Transaction) -> None:
         self.tracker.sent(transaction)
@@ -235,10 +284,10 @@ class StreamRelay:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _check_database(self) -> tuple[tuple[str, str], str]:
+    def _check_database(self) -> tuple[tuple[str, str], str, str]:
         """Slot, publication and table exist as ``stream`` needs them.
 
-        Returns the table's (schema, name) and the slot's confirmed position.
+        Returns the table's (schema, name), the slot's confirmed position and its plugin.
         """
         with connect(self.settings.dsn) as conn:
             slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
@@ -247,15 +296,15 @@ class StreamRelay:
                     f"replication slot {self.settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
                 )
-            if slot["plugin"] != "pgoutput":
+            if slot["plugin"] not in PLUGINS:
                 raise PreflightError(
-                    f"slot {self.settings.slot} uses {slot['plugin']}, which stream does not "
-                    "decode yet; create a pgoutput slot with cdc-relay setup-slot"
+                    f"slot {self.settings.slot} uses {slot['plugin']}; stream decodes "
+                    f"{' and '.join(PLUGINS)}: create such a slot with cdc-relay setup-slot"
                 )
             publication = conn.execute(
                 QUERIES["publication"], {"publication": self.settings.publication}
             ).fetchone()
-            if not publication:
+            if not publication and slot["plugin"] == "pgoutput":
                 raise PreflightError(
                     f"publication {self.settings.publication!r} does not exist; "
                     "run cdc-relay setup-slot first"
@@ -263,16 +312,31 @@ class StreamRelay:
             table = conn.execute(QUERIES["table_name"], {"table": self.settings.table}).fetchone()
             if not table:
                 raise PreflightError(f"table {self.settings.table} does not exist; check --table")
-            return (str(table["schema"]), str(table["name"])), str(slot["confirmed_flush_lsn"])
+            return (
+                (str(table["schema"]), str(table["name"])),
+                str(slot["confirmed_flush_lsn"]),
+                str(slot["plugin"]),
+            )
 
     def _open(self) -> ReplicationConnection:
+        """Connect and start streaming; decoder state starts afresh with each connection."""
+        if self._plugin == "wal2json":
+            self._decode = Wal2JsonDecoder().decode
+            options = {
+                **wal2json.START_OPTIONS,
+                "add-tables": wal2json.table_filter(*self._table),
+                "add-msg-prefixes": self.settings.message_prefix,
+            }
+        else:
+            self._decode = _pgoutput
+            options = {
+                "proto_version": "1",
+                "publication_names": self.settings.publication,
+                "messages": "true",
+            }
         conn = ReplicationConnection(self.settings.dsn)
         try:
-            conn.start(
-                self.settings.slot,
-                self.tracker.safe_lsn,
-                {"proto_version": "1", "publication_names": self.settings.publication},
-            )
+            conn.start(self.settings.slot, self.tracker.safe_lsn, options)
         except BaseException:
             conn.close()
             raise

@@ -21,3 +21,30 @@ CREATE TABLE IF NOT EXISTS outbox_events (
 CREATE INDEX IF NOT EXISTS outbox_events_unprocessed
     ON outbox_events (seq)
     WHERE processed_at IS NULL;
+
+-- A table-less outbox: the event travels in the WAL only, as a transactional logical
+-- decoding message that the relay routes exactly like a row. Nothing is stored, so there is
+-- nothing to clean up; the message is decoded only if the transaction commits.
+-- SELECT outbox_emit('order', '42', 'order.created', '{"total": 10}');
+CREATE OR REPLACE FUNCTION outbox_emit(
+    aggregate_type text,
+    aggregate_id   text,
+    event_type     text,
+    payload        jsonb,
+    id             uuid DEFAULT gen_random_uuid(),
+    prefix         text DEFAULT 'outbox'
+) RETURNS uuid
+LANGUAGE sql VOLATILE AS $$
+    SELECT pg_logical_emit_message(
+        true,
+        prefix,
+        jsonb_build_object(
+            'id', id,
+            'aggregate_type', aggregate_type,
+            'aggregate_id', aggregate_id,
+            'event_type', event_type,
+            'payload', payload
+        )::text
+    );
+    SELECT id;
+$$;

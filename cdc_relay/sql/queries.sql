@@ -66,6 +66,11 @@ SELECT pg_drop_replication_slot(%(slot)s)
 -- drop_publication --
 DROP PUBLICATION IF EXISTS {publication}
 
+-- emit_event --
+-- One outbox event as a transactional logical decoding message (sql/outbox.sql)
+SELECT outbox_emit(%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(id)s,
+                   %(prefix)s)
+
 -- insert_event --
 -- One outbox event, inside the caller's transaction
 INSERT INTO {table} (id, aggregate_type, aggregate_id, event_type, payload)

@@ -7,7 +7,16 @@ from capture import pgoutput_messages
 
 from cdc_relay import pgoutput
 from cdc_relay.errors import DecodeError
-from cdc_relay.events import UNCHANGED, Begin, Commit, Ignored, Insert, Relation, RowMapper
+from cdc_relay.events import (
+    UNCHANGED,
+    Begin,
+    Commit,
+    Ignored,
+    Insert,
+    LogicalMessage,
+    Relation,
+    RowMapper,
+)
 
 
 def decode_step(step: str) -> list[object]:
@@ -76,14 +85,24 @@ def test_insert_then_delete_still_carries_the_insert() -> None:
     assert [type(r).__name__ for r in records] == ["Begin", "Insert", "Commit"]
 
 
-def test_update_delete_truncate_and_messages_are_ignored_without_harm() -> None:
+def test_update_delete_truncate_are_ignored_without_harm() -> None:
     kinds = {
         r.kind
-        for step in ("update", "delete", "truncate", "logical message")
+        for step in ("update", "delete", "truncate")
         for r in decode_step(step)
         if isinstance(r, Ignored)
     }
-    assert kinds == {"update", "delete", "truncate", "message"}
+    assert kinds == {"update", "delete", "truncate"}
+
+
+def test_transactional_logical_message_decodes_with_prefix_and_content() -> None:
+    begin, message, commit = decode_step("logical message")
+    assert isinstance(begin, Begin) and isinstance(commit, Commit)
+    assert isinstance(message, LogicalMessage)
+    assert message.transactional
+    assert message.prefix == "outbox"
+    assert message.content == b'{"id": "m-1"}'
+    assert begin.final_lsn >= message.lsn
 
 
 def test_schema_change_sends_a_new_relation_with_the_added_column() -> None:

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from capture import pgoutput_messages
 
 from cdc_relay import pgoutput
-from cdc_relay.errors import DeliveryError, UsageError
-from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper
-from cdc_relay.routing import Router
+from cdc_relay.errors import UsageError
+from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper, SchemaError
+from cdc_relay.routing import Router, legal_topic
 
 
 def captured_event() -> OutboxEvent:
@@ -39,12 +41,45 @@ def test_bad_templates_are_usage_errors(template: str) -> None:
         Router(template)
 
 
-def test_illegal_topic_names_stop_with_the_event_named() -> None:
-    event = captured_event()
-    bad = OutboxEvent(**{**_fields(event), "aggregate_type": "order lines"})
-    with pytest.raises(DeliveryError, match=event.id):
-        Router().route(bad)
+@pytest.mark.parametrize(
+    ("aggregate_type", "topic"),
+    [
+        ("order lines", "outbox.event.order_lines"),
+        ("Ünïcode/ok", "outbox.event._n_code_ok"),
+    ],
+)
+def test_illegal_topic_names_map_to_legal_ones(aggregate_type: str, topic: str) -> None:
+    event = replace(captured_event(), aggregate_type=aggregate_type)
+    assert Router().route(event).topic == topic
 
 
-def _fields(event: OutboxEvent) -> dict[str, object]:
-    return {name: getattr(event, name) for name in OutboxEvent.__slots__}
+def test_long_topic_names_are_cut_and_kept_apart_by_a_digest() -> None:
+    event = replace(captured_event(), aggregate_type="a" * 300)
+    routed = Router().route(event).topic
+    assert len(routed) == 249
+    assert routed.startswith("outbox.event." + "a" * 227 + "-")
+    assert routed != Router().route(replace(event, aggregate_type="a" * 301)).topic
+
+
+def test_legal_topic_leaves_legal_names_alone() -> None:
+    assert legal_topic("outbox.event.order-v2_x") == "outbox.event.order-v2_x"
+    assert legal_topic("..") == "__"
+
+
+def test_null_aggregate_id_gives_a_null_key() -> None:
+    assert Router().route(replace(captured_event(), aggregate_id=None)).key is None
+
+
+def test_null_payload_stops_unless_tombstones_are_asked_for() -> None:
+    event = replace(captured_event(), payload=None)
+    with pytest.raises(SchemaError, match="--tombstone-on-empty-payload"):
+        Router().route(event)
+    assert Router(tombstone_on_empty=True).route(event).value is None
+    empty = replace(captured_event(), payload=b"")
+    assert Router().route(empty).value == b""
+    assert Router(tombstone_on_empty=True).route(empty).value is None
+
+
+def test_header_columns_follow_the_standard_headers() -> None:
+    event = replace(captured_event(), headers=(("tenant", b"t-1"),))
+    assert Router().route(event).headers[-1] == ("tenant", b"t-1")

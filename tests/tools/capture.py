@@ -1,10 +1,12 @@
-"""Capture real pgoutput messages for the decoder's unit tests.
+"""Capture real pgoutput and wal2json messages for the decoders' unit tests.
 
-    python tests/tools/capture_pgoutput.py "host=... dbname=..." tests/unit/data/pgoutput.jsonl
+    python tests/tools/capture_pgoutput.py "host=... dbname=..." tests/unit/data
 
-Runs a small workload on a scratch table set, streams it through a temporary slot with
-``messages 'true'`` and writes one JSON line per XLogData message: the label of the step that
-caused it and the message bytes in hex. Needs a database where sql/outbox.sql was applied.
+Runs a small workload, streams it through two temporary slots (pgoutput with
+``messages 'true'``, and wal2json format-version 2 with the options the relay uses) and
+writes one JSON line per XLogData message to pgoutput.jsonl and wal2json.jsonl: the label of
+the step that caused it and the message bytes in hex. Needs a database where sql/outbox.sql
+was applied, and the wal2json plugin installed.
 """
 
 from __future__ import annotations
@@ -12,15 +14,15 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import psycopg
 
-from cdc_relay import pgoutput
+from cdc_relay import pgoutput, wal2json
 from cdc_relay.events import Begin
 from cdc_relay.lsn import parse
 from cdc_relay.replication import ReplicationConnection, XLogData
 
-SLOT = "capture_pgoutput"
 PUBLICATION = "capture_pgoutput"
 
 STEPS = [
@@ -70,46 +72,73 @@ STEPS = [
 ]
 
 
-def main(dsn: str, out: str) -> None:
+SLOTS = {
+    "pgoutput": (
+        "capture_pgoutput",
+        {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"},
+    ),
+    "wal2json": (
+        "capture_wal2json",
+        {
+            **wal2json.START_OPTIONS,
+            "add-tables": "public.outbox_events",
+            "add-msg-prefixes": "outbox",
+        },
+    ),
+}
+
+
+def main(dsn: str, out_dir: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
         conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE outbox_events")
-        conn.execute(
-            "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-            "WHERE slot_name = %s",
-            (SLOT,),
-        )
-        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (SLOT,))
+        for plugin, (slot, _) in SLOTS.items():
+            conn.execute(
+                "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                "WHERE slot_name = %s",
+                (slot,),
+            )
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (slot, plugin))
         marks = []
         for label, statement in STEPS:
             conn.execute(statement)
             lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
             marks.append((label, lsn[0] if lsn else ""))
+    for plugin, (slot, options) in SLOTS.items():
+        records = capture(dsn, plugin, slot, options, marks)
+        out = Path(out_dir) / f"{plugin}.jsonl"
+        out.write_text("".join(json.dumps(r) + "\n" for r in records))
+        print(f"{len(records)} messages written to {out}")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for slot, _ in SLOTS.values():
+            conn.execute("SELECT pg_drop_replication_slot(%s)", (slot,))
+        conn.execute(f"DROP PUBLICATION {PUBLICATION}")
+
+
+def capture(
+    dsn: str, plugin: str, slot: str, options: dict[str, str], marks: list[tuple[str, str]]
+) -> list[dict[str, str]]:
     stream = ReplicationConnection(dsn)
-    stream.start(
-        SLOT,
-        0,
-        {"proto_version": "1", "publication_names": PUBLICATION, "messages": "true"},
-    )
+    stream.start(slot, 0, options)
+    decoder = wal2json.Wal2JsonDecoder()
     records = []
     label = ""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         message = stream.read(0.5)
         if isinstance(message, XLogData):
-            if message.data[:1] == b"B":
-                # The step is the first whose end mark lies past this transaction's commit.
-                record = pgoutput.decode(message.data)
-                assert isinstance(record, Begin)
-                label = next(name for name, mark in marks if parse(mark) > record.final_lsn)
+            decoded = (
+                [pgoutput.decode(message.data)]
+                if plugin == "pgoutput"
+                else decoder.decode(message.data)
+            )
+            for record in decoded:
+                if isinstance(record, Begin):
+                    # The step: the first whose end mark lies past this transaction's commit.
+                    label = next(name for name, mark in marks if parse(mark) > record.final_lsn)
             records.append({"step": label, "hex": message.data.hex()})
     stream.close()
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(%s)", (SLOT,))
-        conn.execute(f"DROP PUBLICATION {PUBLICATION}")
-    with open(out, "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    print(f"{len(records)} messages written to {out}")
+    return records
 
 
 if __name__ == "__main__":

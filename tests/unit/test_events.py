@@ -1,0 +1,102 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+from capture import pgoutput_messages
+
+from cdc_relay import pgoutput
+from cdc_relay.errors import UsageError
+from cdc_relay.events import (
+    Begin,
+    Column,
+    Insert,
+    LogicalMessage,
+    OutboxLayout,
+    Relation,
+    RowMapper,
+    SchemaError,
+    envelope_event,
+    jsonb_text,
+)
+
+DEBEZIUM_COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "tenant")
+BEGIN = Begin(final_lsn=100, commit_time_us=1, xid=7)
+
+
+def relation(*names: str) -> Relation:
+    return Relation(1, "public", "outbox", tuple(Column(n, 25) for n in names))
+
+
+def test_debezium_layout_maps_by_column_name_and_sends_extra_columns_as_headers() -> None:
+    layout = OutboxLayout.from_options(
+        ["aggregate_type=aggregatetype", "aggregate_id=aggregateid", "event_type=type"],
+        ["tenant", "absent"],
+    )
+    mapper = RowMapper.for_relation(relation(*DEBEZIUM_COLUMNS), layout)
+    row = Insert(1, (b"e-1", b"order", b"o-1", b"created", b"{}", b"t-9"))
+    event = mapper.event(row, BEGIN)
+    assert (event.id, event.aggregate_type, event.aggregate_id) == ("e-1", "order", "o-1")
+    assert event.event_type == "created"
+    assert event.headers == (("tenant", b"t-9"),)
+
+
+def test_layout_options_are_checked() -> None:
+    with pytest.raises(UsageError, match="FIELD=COLUMN"):
+        OutboxLayout.from_options(["kind=type"], [])
+    with pytest.raises(UsageError):
+        OutboxLayout.from_options(["event_type"], [])
+
+
+def test_missing_required_column_is_a_schema_error_naming_it() -> None:
+    with pytest.raises(SchemaError, match="no column event_type"):
+        RowMapper.for_relation(relation("id", "aggregate_type", "aggregate_id", "payload"))
+
+
+def test_null_aggregate_id_is_kept_as_none_and_null_id_stops() -> None:
+    mapper = RowMapper.for_relation(
+        relation("id", "aggregate_type", "aggregate_id", "event_type", "payload")
+    )
+    event = mapper.event(Insert(1, (b"e", b"order", None, b"x", b"{}")), BEGIN)
+    assert event.aggregate_id is None
+    with pytest.raises(SchemaError, match="column id is NULL"):
+        mapper.event(Insert(1, (None, b"order", b"a", b"x", b"{}")), BEGIN)
+
+
+def test_captured_message_with_a_bare_envelope_is_refused_clearly() -> None:
+    message = next(
+        r
+        for r in (pgoutput.decode(m) for m in pgoutput_messages("logical message"))
+        if isinstance(r, LogicalMessage)
+    )
+    with pytest.raises(SchemaError, match="lacks a string 'aggregate_type'"):
+        envelope_event(message, BEGIN)
+
+
+def test_envelope_event_matches_a_table_row_byte_for_byte() -> None:
+    payload = '{"a": null, "b": [1, 2.50, "é"], "aa": {"y": false, "z": true}}'
+    content = json.dumps(
+        {
+            "id": "e-1",
+            "aggregate_type": "order",
+            "aggregate_id": "o-1",
+            "event_type": "created",
+            "payload": json.loads(payload),
+        }
+    ).replace("2.5", "2.50")
+    message = LogicalMessage(True, 90, "outbox", content.encode())
+    event = envelope_event(message, BEGIN)
+    assert event.payload == payload.encode()
+    assert event.commit_lsn == BEGIN.final_lsn
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        ({"b": 1, "a": 2, "aa": 3}, '{"a": 2, "b": 1, "aa": 3}'),
+        (["x\ty", "é", None, True], '["x\\ty", "é", null, true]'),
+        ({"": {}}, '{"": {}}'),
+    ],
+)
+def test_jsonb_text_writes_like_postgresql(value: object, text: str) -> None:
+    assert jsonb_text(value) == text
