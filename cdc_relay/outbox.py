@@ -24,27 +24,35 @@ def write_event(
     target: Connection[Any] | Cursor[Any],
     *,
     aggregate_type: str,
-    aggregate_id: str,
+    aggregate_id: str | None,
     event_type: str,
     payload: JsonValue,
     event_id: uuid.UUID | None = None,
     table: str = "outbox_events",
+    as_message: bool = False,
+    prefix: str = "outbox",
 ) -> uuid.UUID:
-    """Insert one event; it reaches Kafka if, and only if, the caller's transaction commits.
+    """Write one event; it reaches Kafka if, and only if, the caller's transaction commits.
 
-    ``payload`` is any JSON-serialisable value; ``table`` may be schema-qualified.
+    By default a row of ``table`` (which may be schema-qualified); with ``as_message`` a
+    transactional logical decoding message with ``prefix`` (``outbox_emit()`` of
+    sql/outbox.sql), which stores nothing. ``payload`` is any JSON-serialisable value.
     Returns the event id, the consumers' deduplication key.
     """
     event_id = event_id or uuid.uuid4()
-    statement = sql.SQL(QUERIES["insert_event"]).format(table=sql.Identifier(*table.split(".", 1)))
-    target.execute(
-        statement,
-        {
-            "id": event_id,
-            "aggregate_type": aggregate_type,
-            "aggregate_id": aggregate_id,
-            "event_type": event_type,
-            "payload": Jsonb(payload),
-        },
-    )
+    params = {
+        "id": event_id,
+        "aggregate_type": aggregate_type,
+        "aggregate_id": aggregate_id,
+        "event_type": event_type,
+        "payload": Jsonb(payload),
+        "prefix": prefix,
+    }
+    if as_message:
+        target.execute(QUERIES["emit_event"], params)
+    else:
+        statement = sql.SQL(QUERIES["insert_event"]).format(
+            table=sql.Identifier(*table.split(".", 1))
+        )
+        target.execute(statement, params)
     return event_id

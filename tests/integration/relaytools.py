@@ -28,12 +28,16 @@ from cdc_relay.slot import SlotSpec, setup
 
 
 class RelayProcess:
-    """``cdc-relay stream`` as a child process, configured through CDC_RELAY_* variables."""
+    """``cdc-relay stream`` (or another ``command``, such as ``poll``) as a child process,
+    configured through CDC_RELAY_* variables."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str], name: str = "relay") -> None:
+    def __init__(
+        self, log_dir: Path, env: dict[str, str], name: str = "relay", command: str = "stream"
+    ) -> None:
         self.log_dir = log_dir
         self.env = env
         self.name = name
+        self.command = command
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
 
@@ -45,7 +49,7 @@ class RelayProcess:
         self.runs += 1
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "cdc_relay", "stream"],
+            [sys.executable, "-m", "cdc_relay", self.command],
             env={**os.environ, **self.env},
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -97,8 +101,26 @@ def relay_env(dsn: str, bootstrap: str, names: Any, **extra: str) -> dict[str, s
     return env
 
 
-def setup_slot(dsn: str, names: Any) -> None:
-    setup(dsn, SlotSpec(slot=names.slot, publication=names.publication, table="outbox_events"))
+def setup_slot(
+    dsn: str,
+    names: Any,
+    plugin: str = "pgoutput",
+    slot: str | None = None,
+    table: str = "outbox_events",
+) -> None:
+    spec = SlotSpec(
+        slot=slot or names.slot, publication=names.publication, table=table, plugin=plugin
+    )
+    setup(dsn, spec)
+
+
+POLLER_SQL = Path(__file__).parents[2] / "sql" / "poller.sql"
+
+
+def install_poller(dsn: str) -> None:
+    """What ``cdc-relay poll`` adds to the outbox: the NOTIFY trigger, the dead-letter view."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(POLLER_SQL.read_bytes())  # several statements: no parameters allowed
 
 
 def slot_row(dsn: str, slot: str) -> dict[str, Any]:
