@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from cdc_relay import pgoutput, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
-from cdc_relay.errors import DecodeError, PreflightError, RelayError
+from cdc_relay.errors import DecodeError, PreflightError, RelayError, SlotInUseError
 from cdc_relay.events import (
     Begin,
     Commit,
@@ -51,6 +51,7 @@ _RECONNECT_MAX = 10.0
 # A newly acknowledged position is confirmed this soon: after a crash, PostgreSQL replays
 # what was not confirmed, so this interval bounds the duplicates (events/s x interval).
 _CONFIRM_AFTER = 0.2
+_STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class StreamSettings:
     message_prefix: str = "outbox"
     tombstone_on_empty: bool = False
     dead_letter_topic: str | None = None
+    standby: bool = False  # wait while another relay holds the slot, then take over
 
 
 @dataclass
@@ -147,7 +149,9 @@ class StreamRelay:
         self._register_metrics()
         self._table, confirmed, self._plugin = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
-        self._conn = self._open()
+        self._conn = self._acquire()
+        if self._conn is None:
+            return  # stopped while waiting as a standby
         watcher = SlotWatcher(self.settings.dsn, self.settings.slot).start()
         log.info(
             "streaming slot %s from %s",
@@ -342,6 +346,29 @@ class StreamRelay:
             raise
         self._last_status = 0.0
         return conn
+
+    def _acquire(self) -> ReplicationConnection | None:
+        """Open the stream. As a standby, wait while another relay holds the slot: PostgreSQL
+        frees it as soon as that relay's connection ends, and this one takes over."""
+        waiting = False
+        while not self._stop:
+            try:
+                return self._open()
+            except SlotInUseError as exc:
+                if not self.settings.standby:
+                    raise
+                if not waiting:
+                    waiting = True
+                    log.info(
+                        "standing by: %s",
+                        exc,
+                        extra={"action": "standby", "slot": self.settings.slot},
+                    )
+            deadline = time.monotonic() + _STANDBY_RETRY
+            while not self._stop and time.monotonic() < deadline:
+                self.health.beat()
+                self.sink.poll(0.1)  # keeps broker statistics, hence readiness, current
+        return None
 
     def _recover(self) -> None:
         """After a lost connection: settle what is in flight, forget the rest, reconnect."""
