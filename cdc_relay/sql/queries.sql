@@ -93,3 +93,131 @@ SELECT to_regclass('outbox_dead_letters') IS NOT NULL AS present
 
 -- dead_letter_count --
 SELECT count(*)::bigint AS dead_letters FROM outbox_dead_letters
+
+-- poll_columns --
+-- Columns the polling relay needs that the outbox table lacks
+SELECT array(
+    SELECT unnest(ARRAY['id', 'seq', 'aggregate_type', 'aggregate_id', 'event_type', 'payload',
+                        'attempts', 'retry_after', 'last_error', 'processed_at'])
+    EXCEPT
+    SELECT attname::text FROM pg_attribute
+    WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
+) AS missing
+
+-- poll_trigger --
+-- Whether a trigger of sql/poller.sql notifies the pollers of new rows in the table
+SELECT EXISTS (
+    SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+    WHERE t.tgrelid = to_regclass(%(table)s) AND p.proname = 'outbox_events_notify'
+) AS present
+
+-- listen --
+LISTEN {channel}
+
+-- notify --
+-- Wake the pollers (sql/poller.sql's trigger does the same on insert)
+SELECT pg_notify(%(channel)s, '')
+
+-- claim --
+-- The next rows to publish, oldest first, locked until the transaction ends. Rows another
+-- poller holds are skipped; rows waiting out a backoff and dead letters (retry_after =
+-- 'infinity') are not due, nor are the rows behind a row of their aggregate that waits.
+-- Worker `shard` of `shards` takes only its share of the aggregates; int4eq() rather than
+-- `=` because the planner then guesses a third of the rows pass, not one in 200, and keeps
+-- walking the index in seq order instead of sorting the whole backlog.
+-- The payload is the jsonb text in the database's encoding: the bytes pgoutput sends.
+SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
+       convert_to(t.payload::text, getdatabaseencoding()) AS payload, t.attempts
+FROM {table} AS t
+WHERE t.processed_at IS NULL
+  AND (t.retry_after IS NULL OR t.retry_after <= now())
+  AND int4eq(mod(hashtext(coalesce(t.aggregate_id, '')) & 2147483647, %(shards)s), %(shard)s)
+  AND NOT EXISTS (
+      SELECT 1 FROM {table} AS w
+      WHERE w.processed_at IS NULL AND w.retry_after > now() AND w.retry_after < 'infinity'
+        AND w.aggregate_type = t.aggregate_type AND w.aggregate_id = t.aggregate_id
+        AND w.seq < t.seq)
+ORDER BY t.seq
+LIMIT %(limit)s
+FOR UPDATE OF t SKIP LOCKED
+
+-- mark_processed --
+-- Rows Kafka acknowledged, in one statement, found by primary key (a condition on
+-- processed_at could lure the planner onto the partial index of every unprocessed row)
+UPDATE {table} SET processed_at = now()
+WHERE id = ANY(%(ids)s::uuid[])
+
+-- mark_failed --
+-- Rows Kafka refused: one more attempt counted, due again after their backoff; a row out of
+-- attempts is parked as a dead letter
+UPDATE {table} AS t
+SET attempts = t.attempts + 1,
+    last_error = f.error,
+    retry_after = CASE WHEN t.attempts + 1 >= %(max_attempts)s THEN 'infinity'::timestamptz
+                       ELSE now() + make_interval(secs => f.delay) END
+FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(delays)s::float8[]) AS f(id, error, delay)
+WHERE t.id = f.id
+RETURNING t.id::text AS id, t.attempts, t.retry_after = 'infinity' AS dead
+
+-- pending_counts --
+-- Rows not yet published, and how many of them are dead letters
+SELECT count(*)::bigint AS unprocessed,
+       count(*) FILTER (WHERE retry_after = 'infinity')::bigint AS dead_letters
+FROM {table}
+WHERE processed_at IS NULL
+
+-- dead_letters --
+-- Rows the poller gave up on, oldest first
+SELECT id::text AS id, aggregate_type, aggregate_id, event_type, attempts, last_error,
+       created_at
+FROM {table}
+WHERE processed_at IS NULL AND retry_after = 'infinity'
+ORDER BY seq
+LIMIT %(limit)s
+
+-- retry_dead_letters --
+-- Put dead letters back in the queue (all of them when ids is NULL); last_error stays
+UPDATE {table} SET attempts = 0, retry_after = NULL
+WHERE processed_at IS NULL AND retry_after = 'infinity'
+  AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
+RETURNING id::text AS id
+
+-- prune_before --
+-- The cut-off of a prune: processed before this moment
+SELECT now() - %(age)s::interval AS before
+
+-- prune --
+-- Delete up to `limit` processed rows older than the cut-off, oldest first
+DELETE FROM {table}
+WHERE ctid = ANY(ARRAY(
+    SELECT ctid FROM {table}
+    WHERE processed_at < %(before)s
+    ORDER BY processed_at
+    LIMIT %(limit)s
+))
+
+-- pollers --
+-- Other sessions of cdc-relay poll on this database
+SELECT pid FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = %(application)s
+  AND pid <> pg_backend_pid()
+ORDER BY pid
+
+-- set_snapshot --
+-- Read as of a snapshot another session exported (first statement of the transaction)
+SET TRANSACTION SNAPSHOT {snapshot}
+
+-- unprocessed --
+-- Every row not yet published, oldest first, as of the transaction's snapshot
+SELECT id::text AS id, aggregate_type, aggregate_id, event_type,
+       convert_to(payload::text, getdatabaseencoding()) AS payload, attempts
+FROM {table}
+WHERE processed_at IS NULL
+ORDER BY seq
+
+-- claim_event --
+-- Record that a consumer handles an event; no row back when it was handled before
+INSERT INTO processed_events (consumer, event_id)
+VALUES (%(consumer)s, %(event_id)s)
+ON CONFLICT DO NOTHING
+RETURNING event_id

@@ -1,0 +1,65 @@
+"""Idempotent consumers: handle each event once, although Kafka may deliver it twice.
+
+The relay delivers at least once: after a crash, the events in flight are sent again. A
+consumer that changes a PostgreSQL database records each event id it handles in
+``processed_events`` (sql/consumer.sql) inside the same transaction as its own changes, so
+a redelivered event finds its id there and is skipped::
+
+    with psycopg.connect(dsn) as conn:
+        for message in kafka_messages:
+            handle(conn, message, apply_order, consumer="billing")
+
+    def apply_order(conn, message):
+        conn.execute("INSERT INTO invoices ...")   # committed with the event id, or not at all
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from psycopg import Connection
+
+from cdc_relay.queries import QUERIES
+
+
+class KafkaMessage(Protocol):
+    """What ``handle`` needs of a message (confluent_kafka.Message has it)."""
+
+    def headers(self) -> list[tuple[str, bytes]] | None: ...
+
+
+def event_id(message: KafkaMessage) -> uuid.UUID:
+    """The event id a relay put in the ``id`` header."""
+    for key, value in message.headers() or ():
+        if key == "id":
+            return uuid.UUID(value.decode())
+    raise ValueError("message has no 'id' header: it was not published by cdc-relay")
+
+
+def first_time(conn: Connection[Any], event: uuid.UUID | str, consumer: str) -> bool:
+    """Record ``event`` as handled by ``consumer`` in the caller's open transaction.
+
+    True the first time; False when it was handled before (the caller skips it). A
+    concurrent handler of the same event waits on the row and then sees False.
+    """
+    row = conn.execute(
+        QUERIES["claim_event"], {"consumer": consumer, "event_id": str(event)}
+    ).fetchone()
+    return row is not None
+
+
+def handle(
+    conn: Connection[Any],
+    message: KafkaMessage,
+    apply: Callable[[Connection[Any], KafkaMessage], None],
+    consumer: str,
+) -> bool:
+    """Run ``apply`` for ``message`` once per event id, in one transaction with the record
+    of it; return whether it ran. An exception in ``apply`` rolls both back."""
+    with conn.transaction():
+        if not first_time(conn, event_id(message), consumer):
+            return False
+        apply(conn, message)
+    return True

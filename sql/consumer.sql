@@ -1,0 +1,13 @@
+-- For consumers: the ids of the events a consumer has handled, written in the same
+-- transaction as the consumer's own changes, so a redelivered event is skipped
+-- (cdc_relay.consumer). Apply once per consumer database: psql "$DSN" -f sql/consumer.sql
+
+CREATE TABLE IF NOT EXISTS processed_events (
+    consumer     text        NOT NULL,
+    event_id     uuid        NOT NULL,
+    processed_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, event_id)
+);
+
+-- Old ids can go once no redelivery can reach back that far (e.g. older than the topic's
+-- retention): DELETE FROM processed_events WHERE processed_at < now() - interval '30 days';
