@@ -5,7 +5,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install test check lint typecheck unit integration demo clean
+.PHONY: install test check lint typecheck unit integration demo bench clean
 
 # Idempotent, and quick once everything is there.
 install:
@@ -26,11 +26,21 @@ unit: install
 integration: install
 	$(PY) -m pytest tests/integration
 
+# The Dockerfiles, docker-compose.yml and deploy/: no services, no cluster, no Docker engine.
+.PHONY: test-deploy
+test-deploy: install
+	$(PY) -m pytest -m deploy tests/deploy
+
 test: check
 	$(PY) -m pytest tests
 
 demo: install
 	$(PY) demo/run.py
+
+# Every contestant on both workloads at full size, then a profile of `stream`; results in
+# bench/results/<time>/ and bench/results/latest.md. Sizes: python -m bench.run --help.
+bench: install
+	$(PY) -m bench.run --profile
 
 clean:
 	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache

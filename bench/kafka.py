@@ -1,0 +1,164 @@
+"""The benchmark's side of Kafka: topics stamped with LogAppendTime, how many messages they
+hold, and reading every message back to check and time it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from confluent_kafka import (
+    TIMESTAMP_LOG_APPEND_TIME,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, NewTopic, TopicMetadata
+
+PARTITIONS = 3
+
+
+def create_topics(bootstrap: str, topics: Iterable[str]) -> None:
+    """Create topics whose messages carry the broker's append time (LogAppendTime).
+
+    The broker stamps each message as it appends it, with the clock the writer's commit times
+    are read from: the end-to-end latency of every contestant is measured by the same clock.
+    """
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    new = [
+        NewTopic(topic, PARTITIONS, 1, config={"message.timestamp.type": "LogAppendTime"})
+        for topic in topics
+    ]
+    for future in admin.create_topics(new, operation_timeout=30).values():
+        future.result()
+    # Created is not yet led: wait until every partition has a leader.
+    deadline = time.monotonic() + 60
+    while True:
+        metadata = admin.list_topics(timeout=10).topics
+        if all(_led(metadata.get(topic)) for topic in new_names(new)):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topics {new_names(new)} have no leader 60 s after creation")
+        time.sleep(0.1)
+
+
+def new_names(topics: list[NewTopic]) -> list[str]:
+    return [t.topic for t in topics]
+
+
+def _led(topic: TopicMetadata | None) -> bool:
+    return (
+        topic is not None
+        and topic.error is None
+        and len(topic.partitions) == PARTITIONS
+        and all(p.leader >= 0 and p.error is None for p in topic.partitions.values())
+    )
+
+
+def delete_topics(bootstrap: str, topics: Sequence[str]) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    for future in admin.delete_topics(list(topics), operation_timeout=30).values():
+        future.result()
+
+
+class Watermarks:
+    """How many messages some topics hold (sum of their partitions' high watermarks)."""
+
+    def __init__(self, bootstrap: str, topics: Sequence[str]) -> None:
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "bench-meta"})
+        self._partitions = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
+        self._last = 0
+        self._failing_since: float | None = None
+
+    def count(self) -> int:
+        """The count now; the previous one while the broker answers with errors, which it
+        does for a moment after a topic is created (not leader for partition)."""
+        try:
+            self._last = sum(
+                self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                for tp in self._partitions
+            )
+        except KafkaException:
+            now = time.monotonic()
+            self._failing_since = self._failing_since or now
+            if now - self._failing_since > 60:
+                raise
+        else:
+            self._failing_since = None
+        return self._last
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+@dataclass
+class Deliveries:
+    """Every message of some topics: the event id header and the broker's append time."""
+
+    messages: int = 0
+    first_append_ms: dict[str, int] = field(default_factory=dict)
+    """Event id -> append time (ms) of its first delivery."""
+    other_timestamps: int = 0
+    """Messages not stamped with LogAppendTime (a topic created by someone else)."""
+    without_id: int = 0
+
+    @property
+    def duplicates(self) -> int:
+        return self.messages - self.without_id - len(self.first_append_ms)
+
+
+def read_all(bootstrap: str, topics: Sequence[str]) -> Deliveries:
+    """Read every message the topics hold now, from the start."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-read-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "fetch.max.bytes": 64 * 1024 * 1024,
+        }
+    )
+    deliveries = Deliveries()
+    first = deliveries.first_append_ms
+    try:
+        ends = {}
+        for topic in topics:
+            for p in range(PARTITIONS):
+                tp = TopicPartition(topic, p)
+                high = consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                if high > 0:
+                    ends[(topic, p)] = high
+        consumer.assign([TopicPartition(t, p, 0) for t, p in ends])
+        remaining = set(ends)
+        progress = time.monotonic()
+        while remaining:
+            batch = consumer.consume(10_000, timeout=1)
+            if batch:
+                progress = time.monotonic()
+            elif time.monotonic() - progress > 60:
+                raise RuntimeError(f"reading the topics: no message for 60 s; left: {remaining}")
+            for msg in batch:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        remaining.discard((msg.topic(), msg.partition()))
+                        continue
+                    raise RuntimeError(f"reading {msg.topic()}: {err}")
+                deliveries.messages += 1
+                kind, stamp = msg.timestamp()
+                if kind != TIMESTAMP_LOG_APPEND_TIME:
+                    deliveries.other_timestamps += 1
+                event_id = next((v for k, v in msg.headers() or () if k == "id"), None)
+                if event_id is None:
+                    deliveries.without_id += 1
+                    continue
+                key = event_id.decode()
+                if key not in first or stamp < first[key]:
+                    first[key] = stamp
+                if msg.offset() + 1 >= ends[(msg.topic(), msg.partition())]:
+                    remaining.discard((msg.topic(), msg.partition()))
+    finally:
+        consumer.close()
+    return deliveries

@@ -1,0 +1,308 @@
+"""What a run leaves behind: results.json, results.md (the machine as the harness read it, and
+the tables), plot.png; and the description of the machine itself."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import confluent_kafka
+import psycopg
+
+import cdc_relay
+from bench import debezium
+from bench.sql import QUERIES
+from cdc_relay.devstack.kafka import KAFKA_VERSION
+
+REPO = Path(__file__).parents[1]
+NONE = "\N{EN DASH}"
+"""What a table shows where a figure does not apply."""
+
+
+def _first(path: str, prefix: str) -> str | None:
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(prefix):
+                return line.split(":", 1)[1].strip() if ":" in line else line
+    except OSError:
+        return None
+    return None
+
+
+def load_average() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def _os_name() -> str:
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                return line.split("=", 1)[1].strip('"')
+    except OSError:
+        pass
+    return platform.system()
+
+
+def _git_commit() -> str:
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{commit} (with uncommitted changes)" if dirty else commit
+
+
+def describe_machine(postgres_dsn: str) -> dict[str, Any]:
+    """The machine and the software versions, as read here and now."""
+    memory_kib = _first("/proc/meminfo", "MemTotal")
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        settings = dict(conn.execute(QUERIES["server"]).fetchall())
+    try:
+        java = debezium.java_version()
+    except Exception as err:  # noqa: BLE001 - a description, not a requirement
+        java = f"unknown ({err})"
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "cpu_model": _first("/proc/cpuinfo", "model name") or platform.processor() or "unknown",
+        "cores": os.cpu_count(),
+        "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1) if memory_kib else None,
+        "kernel": f"{platform.system()} {platform.release()} {platform.machine()}",
+        "os": _os_name(),
+        "load_average_start": load_average(),
+        "postgresql": settings.pop("server_version", "unknown"),
+        "postgresql_settings": settings,
+        "kafka": KAFKA_VERSION,
+        "java": java,
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "librdkafka": confluent_kafka.libversion()[0],
+        "confluent_kafka": confluent_kafka.version()[0],
+        "psycopg": psycopg.__version__,
+        "libpq": psycopg.pq.version(),
+        "debezium": debezium.DEBEZIUM_VERSION,
+        "cdc_relay": f"{cdc_relay.__version__}, commit {_git_commit()}",
+    }
+
+
+def _num(value: Any, digits: int = 0) -> str:
+    if value is None:
+        return NONE
+    if isinstance(value, int | float):
+        return f"{value:,.{digits}f}"
+    return str(value)
+
+
+def _status(row: dict[str, Any]) -> str:
+    if row["status"] == "ok":
+        extra = f", {row['duplicates']:,} duplicates" if row.get("duplicates") else ""
+        return f"ok: {row['events_delivered']:,}/{row['events_written']:,}{extra}"
+    reason = " ".join(str(row.get("reason") or "").split())
+    if len(reason) > 160:
+        reason = reason[:157] + "..."
+    return f"{row['status'].upper()}: {reason}".replace("|", "\\|")
+
+
+def _backlog_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| contestant | events/s | time to drain (s) | of which start-up (s) | CPU (s) "
+        "| PostgreSQL CPU (s) | peak RSS (MiB) | WAL bytes/event | delivered |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ok = r["status"] == "ok"
+        lines.append(
+            f"| {r['contestant']} | {_num(r.get('events_per_s')) if ok else NONE} "
+            f"| {_num(r.get('time_to_drain_s'), 1) if ok else NONE} "
+            f"| {_num(r.get('startup_s'), 1) if ok else NONE} "
+            f"| {_num(r.get('cpu_s'), 1) if ok else NONE} "
+            f"| {_num(r.get('postgres_cpu_s'), 1) if ok else NONE} "
+            f"| {_num(r.get('peak_rss_mib')) if ok else NONE} "
+            f"| {_num(r.get('wal_bytes_per_event')) if ok else NONE} | {_status(r)} |"
+        )
+    return lines
+
+
+def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| contestant | events/s (written) | p50 (ms) | p95 (ms) | p99 (ms) | max (ms) "
+        "| CPU (s) | PostgreSQL CPU (s) | peak RSS (MiB) | WAL bytes/event | delivered |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ok = r["status"] == "ok"
+        lat = (r.get("latency_ms") or {}) if ok else {}
+        rate = f"{_num(r.get('events_per_s'))} ({_num(r.get('write_rate'))})" if ok else NONE
+        lines.append(
+            f"| {r['contestant']} | {rate} | {_num(lat.get('p50'), 1)} "
+            f"| {_num(lat.get('p95'), 1)} | {_num(lat.get('p99'), 1)} "
+            f"| {_num(lat.get('max'), 1)} | {_num(r.get('cpu_s'), 1) if ok else NONE} "
+            f"| {_num(r.get('postgres_cpu_s'), 1) if ok else NONE} "
+            f"| {_num(r.get('peak_rss_mib')) if ok else NONE} "
+            f"| {_num(r.get('wal_bytes_per_event')) if ok else NONE} | {_status(r)} |"
+        )
+    return lines
+
+
+def markdown(data: dict[str, Any]) -> str:
+    m = data["machine"]
+    s = data["settings"]
+    rows = data["results"]
+    pg = m["postgresql_settings"]
+    out = [
+        f"# cdc-relay benchmark, {m['date']}",
+        "",
+        f"**Machine**: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB memory, "
+        f"{m['kernel']}, {m['os']}; load average {m['load_average_start']} at the start, "
+        f"{m.get('load_average_end', '?')} at the end (all services and contestants share "
+        "these cores).",
+        "",
+        f"**Software**: PostgreSQL {m['postgresql']} "
+        f"({', '.join(f'{k}={v}' for k, v in pg.items())}); Kafka {m['kafka']} (single-node "
+        f"KRaft broker, and Connect for Debezium); {m['java']}; {m['python']}; "
+        f"librdkafka {m['librdkafka']}; psycopg {m['psycopg']}; Debezium {m['debezium']}; "
+        f"cdc-relay {m['cdc_relay']}. Run took {data['elapsed_s'] / 60:.1f} min.",
+        "",
+        "**Workloads** (each contestant gets a fresh database and fresh topics of "
+        f"{s['partitions']} partitions stamped with LogAppendTime): *backlog*: "
+        f"{s['events']:,} events in transactions of {s['transaction_size']}, written before "
+        f"the contestant starts; *steady*: {s['rate']:,} events/s in transactions of "
+        f"{s['steady_transaction_size']} while it runs: once a first event showed it delivers, "
+        f"{s['warmup']:g} s of warm-up at that rate, then {s['duration']:g} s measured (every "
+        "event of both parts must arrive; the figures are the measured part's).",
+        "",
+        f"## Backlog: {s['events']:,} events",
+        "",
+        *_backlog_table([r for r in rows if r["workload"] == "backlog"]),
+        "",
+        f"## Steady: {s['rate']:,} events/s for {s['duration']:g} s",
+        "",
+        *_steady_table([r for r in rows if r["workload"] == "steady"]),
+        "",
+        "How to read them: *events/s* of the backlog is events divided by the time from the "
+        "first to the last delivery (the broker's append times); *time to drain* runs from "
+        "the start of the contestant's process to the last delivery. Latency is the broker's "
+        "LogAppendTime of an event's first delivery minus the time the writer saw its COMMIT "
+        "return, same clock, for every event. *CPU* is user + system seconds of the "
+        "contestant's process tree: for the backlog over its whole run (start-up included), "
+        "for the steady rate from the start of the measured part until its last event was "
+        "delivered; *PostgreSQL CPU* is that of every server process over the same span (the "
+        "walsender's decoding, the poller's queries, and for the steady rate the writer's "
+        "own backends); *peak RSS* of the tree over the whole run; *WAL bytes/event* is the "
+        "growth of pg_current_wal_lsn() from the start of the (measured) workload until the "
+        "contestant stopped, divided by its events (a poller's UPDATEs count). "
+        "pg_recvlogical is the ceiling: it reads the same kind of slot into "
+        "/dev/null, delivers nothing to Kafka, so it has no latency; its backlog time runs to "
+        "its exit at the end LSN of the workload.",
+    ]
+    profile = data.get("profile")
+    if profile:
+        out += ["", *profile_markdown(profile)]
+    return "\n".join(out) + "\n"
+
+
+def profile_markdown(profile: dict[str, Any]) -> list[str]:
+    if profile.get("status") != "ok":
+        return ["## Profile of `cdc-relay stream`", "", f"Not made: {profile.get('reason')}"]
+    lines = [
+        f"## Profile of `cdc-relay stream` (backlog of {profile['events']:,} events)",
+        "",
+        f"pyinstrument, wall-clock samples of the relay's thread over its whole run "
+        f"({profile['profiled_s']:.1f} s; {profile['events_per_s']:,} events/s under the "
+        "profiler). Hottest functions by own time (not counting the functions they call):",
+        "",
+        "| function | where | own time (s) | own % | with callees % |",
+        "|---|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| `{f['function']}` | {f['where']} | {f['self_s']:.2f} | {f['self_pct']:.1f} "
+        f"| {f['total_pct']:.1f} |"
+        for f in profile["hottest"]
+    ]
+    return lines
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Throughput bars per contestant and workload; latency percentiles of the steady run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["results"]
+    names = list(dict.fromkeys(r["contestant"] for r in rows))
+    by = {(r["contestant"], r["workload"]): r for r in rows}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.38
+    for offset, wl in ((-width / 2, "backlog"), (width / 2, "steady")):
+        values = [
+            (by.get((n, wl)) or {}).get("events_per_s")
+            if (by.get((n, wl)) or {}).get("status") == "ok"
+            else 0
+            for n in names
+        ]
+        bars = left.bar([i + offset for i in range(len(names))], values, width, label=wl)
+        for bar, n in zip(bars, names, strict=True):
+            row = by.get((n, wl)) or {}
+            if row.get("status") != "ok":
+                left.annotate(
+                    "n/a" if row.get("status") == "not available" else "failed",
+                    (bar.get_x() + bar.get_width() / 2, 0),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    rotation=90,
+                )
+    left.set_xticks(range(len(names)), names, rotation=20, ha="right")
+    left.set_ylabel("events/s")
+    left.set_title(f"Throughput (backlog: {data['settings']['events']:,} events)")
+    left.legend()
+    steady = [by.get((n, "steady")) or {} for n in names]
+    with_latency = [
+        (n, r["latency_ms"]) for n, r in zip(names, steady, strict=True) if r.get("latency_ms")
+    ]
+    width = 0.27
+    for k, pct in enumerate(("p50", "p95", "p99")):
+        right.bar(
+            [i + (k - 1) * width for i in range(len(with_latency))],
+            [lat[pct] for _, lat in with_latency],
+            width,
+            label=pct,
+        )
+    right.set_xticks(range(len(with_latency)), [n for n, _ in with_latency], rotation=20)
+    right.set_yscale("log")
+    right.set_ylabel("ms (log scale)")
+    right.set_title(f"End-to-end latency at {data['settings']['rate']:,} events/s")
+    right.legend()
+    fig.suptitle(f"cdc-relay benchmark {data['machine']['date']}, {data['machine']['cpu_model']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(data: dict[str, Any], out: Path, latest: Path | None) -> None:
+    """results.json, results.md and plot.png in ``out``; a copy of the table as ``latest``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(data, indent=2) + "\n")
+    text = markdown(data)
+    (out / "results.md").write_text(text)
+    plot(data, out / "plot.png")
+    if latest is not None:
+        shutil.copyfile(out / "results.md", latest)
