@@ -60,8 +60,16 @@ def _value(value: Any) -> Value:
     if isinstance(value, bool):
         return b"t" if value else b"f"
     if isinstance(value, str):
-        return value.encode()
+        return _utf8(value)
     return json.dumps(value).encode()
+
+
+def _utf8(text: str) -> bytes:
+    # JSON can escape a lone surrogate ("\ud800"), which has no UTF-8 form.
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise DecodeError(f"wal2json text {text[:40]!r} has a lone surrogate") from None
 
 
 def _field(message: dict[str, Any], name: str, kind: type) -> Any:
@@ -133,7 +141,7 @@ class Wal2JsonDecoder:
                     transactional=transactional,
                     lsn=_lsn(document.get("lsn")),
                     prefix=_field(document, "prefix", str),
-                    content=_field(document, "content", str).encode(),
+                    content=_utf8(_field(document, "content", str)),
                 ),
             )
         if action in ("U", "D", "T"):
