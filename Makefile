@@ -42,10 +42,5 @@ demo: install
 bench: install
 	$(PY) -m bench.run --profile
 
-# Every contestant on both workloads at full size, then a profile of `stream`; results in
-# bench/results/<time>/ and bench/results/latest.md. Sizes: python -m bench.run --help.
-bench: install
-	$(PY) -m bench.run --profile
-
 clean:
 	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache
