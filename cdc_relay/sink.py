@@ -55,6 +55,7 @@ def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, s
 
 
 Acked = Callable[[Any], None]
+Refused = Callable[[Any, KafkaError], None]
 
 
 class KafkaSink:
@@ -66,10 +67,14 @@ class KafkaSink:
         on_ack: Acked,
         relay: str = "stream",
         dead_letter_topic: str | None = None,
+        on_refused: Refused | None = None,
     ) -> None:
         self._config = dict(config)
         self._relay = relay
         self._on_ack = on_ack
+        # The poller's way: each refused event is reported with its token and the sink goes
+        # on (the poller retries the row later). Without it, a refusal stops the relay.
+        self._on_refused = on_refused
         self._dead_letter_topic = dead_letter_topic
         # Refused messages waiting to go to the dead-letter topic (produced from poll, not
         # from inside a delivery report, where the queue may be full).
@@ -110,9 +115,15 @@ class KafkaSink:
         except BufferError:
             return False
         except KafkaException as exc:
-            if self._dead_letter_topic is None:
+            if self._on_refused is not None:
+                _refused(message, exc.args[0], self._relay)  # logged and counted
+                self._on_refused(token, exc.args[0])
+            elif self._dead_letter_topic is None:
                 raise _refused(message, exc.args[0], self._relay) from None
-            self._to_dead_letter.append((message, exc.args[0], len(message.value or b""), token))
+            else:
+                self._to_dead_letter.append(
+                    (message, exc.args[0], len(message.value or b""), token)
+                )
         return True
 
     def _produce(self, message: Message, on_delivery: Callable[..., None]) -> None:
@@ -198,7 +209,10 @@ class KafkaSink:
             self._on_ack(token)
             return
         refused = Message(msg.topic(), msg.key(), None, headers, message_lsn)
-        if self._dead_letter_topic is not None:
+        if self._on_refused is not None:
+            _refused(refused, err, self._relay)  # logged and counted
+            self._on_refused(token, err)
+        elif self._dead_letter_topic is not None:
             self._to_dead_letter.append((refused, err, msg.len() or 0, token))
         elif self.failure is None:
             self.failure = _refused(refused, err, self._relay)
