@@ -35,15 +35,24 @@ def _option(name: str, *more: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(name, *more, envvar=env(name), show_envvar=True, **kwargs)
 
 
+_DSN = _option(
+    "--dsn",
+    required=True,
+    help="libpq connection string or URI of the database with the outbox. Give "
+    "the password through PGPASSWORD or a .pgpass file, not here.",
+)
+_TABLE = _option(
+    "--table",
+    default=DEFAULT_TABLE,
+    show_default=True,
+    help="The outbox table, optionally schema-qualified.",
+)
+
+
 def database_options(func: F) -> F:
     for decorate in reversed(
         [
-            _option(
-                "--dsn",
-                required=True,
-                help="libpq connection string or URI of the database with the outbox. Give "
-                "the password through PGPASSWORD or a .pgpass file, not here.",
-            ),
+            _DSN,
             _option("--slot", default=DEFAULT_SLOT, show_default=True, help="Replication slot."),
             _option(
                 "--publication",
@@ -51,12 +60,7 @@ def database_options(func: F) -> F:
                 show_default=True,
                 help="Publication on the outbox table.",
             ),
-            _option(
-                "--table",
-                default=DEFAULT_TABLE,
-                show_default=True,
-                help="The outbox table, optionally schema-qualified.",
-            ),
+            _TABLE,
         ]
     ):
         func = decorate(func)
@@ -106,6 +110,72 @@ def log_options(func: F) -> F:
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
         default="INFO",
         show_default=True,
+    )(func)
+
+
+def kafka_options(required: bool = True) -> Callable[[F], F]:
+    """Where and how events are published: every command that publishes takes the same."""
+
+    def decorate(func: F) -> F:
+        for option in reversed(
+            [
+                _option(
+                    "--kafka-bootstrap",
+                    required=required,
+                    help="Kafka bootstrap servers, host:port[,host:port...].",
+                ),
+                _option(
+                    "--kafka-config",
+                    multiple=True,
+                    metavar="KEY=VALUE",
+                    help="A librdkafka setting (repeatable), e.g. security.protocol=SASL_SSL.",
+                ),
+                _option(
+                    "--kafka-config-file",
+                    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                    help="A properties file of librdkafka settings; --kafka-config wins over it.",
+                ),
+                _option(
+                    "--topic-template",
+                    default=DEFAULT_TOPIC_TEMPLATE,
+                    show_default=True,
+                    help="Topic of each event; may use {aggregate_type} and {event_type}.",
+                ),
+                _option(
+                    "--tombstone-on-empty-payload",
+                    is_flag=True,
+                    help="Publish NULL and empty payloads as tombstones (null value); without "
+                    "it a NULL payload stops the relay.",
+                ),
+                _option(
+                    "--kafka-timeout",
+                    type=click.FloatRange(0.1, 3600),
+                    default=15.0,
+                    show_default=True,
+                    help="Seconds to wait for a broker to answer at start-up.",
+                ),
+            ]
+        ):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def run_options(func: F) -> F:
+    func = _option(
+        "--shutdown-timeout",
+        type=click.FloatRange(0, 3600),
+        default=30.0,
+        show_default=True,
+        help="Seconds to wait for Kafka's acks when stopping.",
+    )(func)
+    return _option(
+        "--progress-interval",
+        type=click.FloatRange(0.5, 86400),
+        default=10.0,
+        show_default=True,
+        help="Seconds between progress lines in the log.",
     )(func)
 
 
@@ -248,28 +318,7 @@ def _count(value: int | None) -> str:
 
 @cli.command("stream")
 @database_options
-@_option(
-    "--kafka-bootstrap",
-    required=True,
-    help="Kafka bootstrap servers, host:port[,host:port...].",
-)
-@_option(
-    "--kafka-config",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A librdkafka setting (repeatable), e.g. security.protocol=SASL_SSL.",
-)
-@_option(
-    "--kafka-config-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="A properties file of librdkafka settings; --kafka-config wins over it.",
-)
-@_option(
-    "--topic-template",
-    default=DEFAULT_TOPIC_TEMPLATE,
-    show_default=True,
-    help="Topic of each event; may use {aggregate_type} and {event_type}.",
-)
+@kafka_options()
 @_option(
     "--status-interval",
     type=click.FloatRange(0.1, 3600),
@@ -277,27 +326,7 @@ def _count(value: int | None) -> str:
     show_default=True,
     help="Seconds between standby status updates; keep well under wal_sender_timeout.",
 )
-@_option(
-    "--shutdown-timeout",
-    type=click.FloatRange(0, 3600),
-    default=30.0,
-    show_default=True,
-    help="Seconds to wait for Kafka's acks when stopping.",
-)
-@_option(
-    "--kafka-timeout",
-    type=click.FloatRange(0.1, 3600),
-    default=15.0,
-    show_default=True,
-    help="Seconds to wait for a broker to answer at start-up.",
-)
-@_option(
-    "--progress-interval",
-    type=click.FloatRange(0.5, 86400),
-    default=10.0,
-    show_default=True,
-    help="Seconds between progress lines in the log.",
-)
+@run_options
 @_option(
     "--column",
     "columns",
@@ -318,12 +347,6 @@ def _count(value: int | None) -> str:
     default="outbox",
     show_default=True,
     help="Prefix of pg_logical_emit_message() messages that carry events.",
-)
-@_option(
-    "--tombstone-on-empty-payload",
-    is_flag=True,
-    help="Publish NULL and empty payloads as tombstones (null value); without it a NULL "
-    "payload stops the relay.",
 )
 @_option(
     "--dead-letter-topic",
