@@ -159,8 +159,7 @@ class Wal2JsonDecoder:
             if not isinstance(column, dict) or not isinstance(column.get("name"), str):
                 raise DecodeError("wal2json column without a name")
             names.append(column["name"])
-            oid = column.get("typeoid", "0")
-            oids.append(int(oid) if isinstance(oid, str) and oid.isdigit() else 0)
+            oids.append(_digits(column.get("typeoid")) or 0)
             values.append(_value(column.get("value")))
         key = (schema, table, tuple(names), tuple(oids))
         relation = self._relations.get(key)
@@ -179,6 +178,18 @@ class Wal2JsonDecoder:
 
 
 def _xid(value: Any) -> int:
-    if isinstance(value, str) and value.isdigit():
+    xid = _digits(value)
+    if xid is None:
+        raise DecodeError(f"xid {value!r:.60} is not a number")
+    return xid
+
+
+def _digits(value: Any) -> int | None:
+    """A JSON number's ASCII digits (parse_int keeps them as text) as an int, else None.
+
+    str.isdigit() alone would let through "²", which int() refuses, and int() refuses more
+    than 4,300 digits; 20 digits hold any 64-bit number.
+    """
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
         return int(value)
-    raise DecodeError(f"xid {value!r} is not a number")
+    return None
