@@ -1,0 +1,135 @@
+"""The alert rules: one copy (the PrometheusRule), a valid Prometheus rules file when extracted,
+every expression valid PromQL over cdc-relay's own metrics, every template label kept."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jsonschema
+import promql_parser
+import pytest
+import yaml
+from crd_schemas import RULE_GROUPS
+from deploytools import BASE, DEPLOY, METRICS, load_docs, selected_names, series_names
+
+pytestmark = pytest.mark.deploy
+
+RULES_FILE = BASE / "prometheusrule.yaml"
+GiB = 1024**3
+
+# alert -> (a piece of its expression, its `for`): the thresholds cdc-relay promises.
+EXPECTED = {
+    "OutboxEventsPendingHigh": ("(outbox_events_pending) > 1000", "2m"),
+    "OutboxEventsPendingGrowing": ("deriv(outbox_events_pending[10m]) > 0", "10m"),
+    "OutboxDeadLetters": ("(outbox_dead_letters) > 0", None),
+    "OutboxEventsFailing": ("increase(outbox_events_failed_total[5m])", None),
+    "OutboxBatchSlow": ("histogram_quantile(0.95,", "5m"),
+    "CdcRelayMetricsAbsent": ("absent(outbox_events_pending)", "10m"),
+    "CdcRelayWalRetainedHigh": (f"(cdc_relay_slot_wal_retained_bytes) > {GiB}", "5m"),
+    "CdcRelayDisconnected": ("(cdc_relay_connected) == 0", "2m"),
+    "CdcRelayLatencyHigh": ("histogram_quantile(0.99,", "5m"),
+}
+
+
+@pytest.fixture(scope="module")
+def rules_file() -> dict[str, Any]:
+    """What a Prometheus without the Operator loads: the PrometheusRule's spec."""
+    (rule,) = load_docs(RULES_FILE)
+    spec: dict[str, Any] = rule["spec"]
+    # The same round trip as `yq '.spec'`: plain YAML, nothing Kubernetes-specific left.
+    extracted: dict[str, Any] = yaml.safe_load(yaml.safe_dump(spec))
+    return extracted
+
+
+@pytest.fixture(scope="module")
+def alerts(rules_file: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for group in rules_file["groups"]:
+        for rule in group["rules"]:
+            assert rule["alert"] not in found, f"{rule['alert']} twice"
+            found[rule["alert"]] = rule
+    return found
+
+
+def test_the_prometheus_rule_is_the_only_copy_of_the_rules() -> None:
+    holders = [
+        path
+        for path in DEPLOY.rglob("*.y*ml")
+        if any("groups" in doc or "groups" in doc.get("spec", {}) for doc in load_docs(path))
+    ]
+    assert holders == [RULES_FILE]
+
+
+def test_extracted_it_is_a_prometheus_rules_file(rules_file: dict[str, Any]) -> None:
+    jsonschema.Draft202012Validator(RULE_GROUPS).validate(rules_file)
+    names = [group["name"] for group in rules_file["groups"]]
+    assert len(names) == len(set(names))
+
+
+def test_the_promised_alerts_and_thresholds(alerts: dict[str, dict[str, Any]]) -> None:
+    assert set(alerts) == set(EXPECTED)
+    for name, (piece, duration) in EXPECTED.items():
+        rule = alerts[name]
+        assert piece in " ".join(rule["expr"].split()), f"{name}: {rule['expr']}"
+        assert rule.get("for") == duration, name
+        assert re.search(r"> 5$", rule["expr"].strip()) or "histogram" not in rule["expr"], name
+
+
+def test_every_expression_parses_and_uses_only_cdc_relay_metrics(
+    alerts: dict[str, dict[str, Any]],
+) -> None:
+    allowed = series_names()
+    for name, rule in alerts.items():
+        try:
+            used = selected_names(rule["expr"])
+        except ValueError as exc:
+            pytest.fail(f"{name}: {exc}: {rule['expr']}")
+        assert used, name
+        assert used <= allowed, f"{name}: not cdc-relay's: {used - allowed}"
+
+
+def test_histograms_are_read_through_their_buckets_by_le(alerts: dict[str, dict[str, Any]]) -> None:
+    for name, rule in alerts.items():
+        expr = " ".join(rule["expr"].split())
+        for histogram in (m for m, kind in METRICS.items() if kind == "histogram"):
+            if histogram in expr:
+                assert f"{histogram}_bucket" in expr and "histogram_quantile(" in expr, name
+                assert re.search(r"by \([^)]*\ble\b", expr), f"{name}: aggregate keeping le"
+
+
+def output_labels(node: Any) -> set[str] | None:
+    """The labels an expression's result keeps; None when it keeps the selected series' own."""
+    if isinstance(node, promql_parser.ParenExpr):
+        return output_labels(node.expr)
+    if isinstance(node, promql_parser.BinaryExpr):
+        if isinstance(node.lhs, promql_parser.NumberLiteral):
+            return output_labels(node.rhs)
+        return output_labels(node.lhs)
+    if isinstance(node, promql_parser.AggregateExpr):
+        modifier = node.modifier
+        if modifier is None:
+            return set()
+        assert modifier.type == promql_parser.AggModifierType.By, "aggregate `by`, not `without`"
+        return set(modifier.labels)
+    if isinstance(node, promql_parser.Call):
+        if node.func.name == "absent":
+            return set()
+        if node.func.name == "histogram_quantile":
+            inner = output_labels(node.args[1])
+            return None if inner is None else inner - {"le"}
+        return output_labels(node.args[0])
+    if isinstance(node, promql_parser.MatrixSelector):
+        return None
+    return None
+
+
+def test_annotations_name_only_labels_the_alert_has(alerts: dict[str, dict[str, Any]]) -> None:
+    for name, rule in alerts.items():
+        kept = output_labels(promql_parser.parse(rule["expr"]))
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        assert {"summary", "description"} <= set(rule["annotations"]), name
+        for text in rule["annotations"].values():
+            assert text.count("{{") == text.count("}}"), f"{name}: {text}"
+            for label in re.findall(r"\$labels\.(\w+)", text):
+                assert kept is None or label in kept, f"{name}: {label} is aggregated away"

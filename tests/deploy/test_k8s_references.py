@@ -1,0 +1,219 @@
+"""The kustomizations list every file, and every name, selector and port in them resolves."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from deploytools import (
+    KUSTOMIZATIONS,
+    METRICS_PORT,
+    ROOT,
+    container_ports,
+    kustomization,
+    named,
+    of_kind,
+    pod_templates,
+    relay_settings,
+    selects,
+)
+
+pytestmark = pytest.mark.deploy
+
+Objects = list[dict[str, Any]]
+POSTGRES_PORT = 5432
+DNS_PORT = 53
+
+
+@pytest.mark.parametrize("folder", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_kustomization_lists_every_file_of_its_folder(folder: Any) -> None:
+    spec = kustomization(folder)
+    listed = [entry for entry in spec.get("resources", []) if "/" not in entry]
+    listed += [patch["path"] for patch in spec.get("patches", [])]
+    assert len(listed) == len(set(listed)), "a file listed twice"
+    present = {path.name for path in folder.iterdir() if path.name != "kustomization.yaml"}
+    assert set(listed) == present
+    for entry in spec.get("resources", []):
+        assert (folder / entry).exists(), entry
+
+
+def stream_template(objects: Objects) -> dict[str, Any]:
+    deployment = named(objects, "Deployment", "cdc-relay")
+    assert deployment is not None
+    template: dict[str, Any] = deployment["spec"]["template"]
+    return template
+
+
+def containers(template: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = template["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def test_every_workload_selects_its_own_pods(overlay_objects: Objects) -> None:
+    for workload, template in pod_templates(overlay_objects):
+        labels = template["metadata"]["labels"]
+        selector = workload["spec"].get("selector")
+        if selector is not None:
+            assert selects(selector, labels), workload["metadata"]["name"]
+
+
+def test_config_secret_and_service_account_references_resolve(overlay_objects: Objects) -> None:
+    for _, template in pod_templates(overlay_objects):
+        account = template["spec"]["serviceAccountName"]
+        assert named(overlay_objects, "ServiceAccount", account), account
+        for container in containers(template):
+            for source in container.get("envFrom", []):
+                if "configMapRef" in source:
+                    assert named(overlay_objects, "ConfigMap", source["configMapRef"]["name"])
+                if "secretRef" in source:
+                    assert named(overlay_objects, "Secret", source["secretRef"]["name"])
+            for variable in container.get("env", []):
+                ref = variable.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    secret = named(overlay_objects, "Secret", ref["name"])
+                    assert secret, ref["name"]
+                    keys = {*secret.get("data", {}), *secret.get("stringData", {})}
+                    assert ref["key"] in keys, ref
+
+
+def test_the_settings_are_the_relays_and_hold_no_password(overlay_objects: Objects) -> None:
+    data = named(overlay_objects, "ConfigMap", "cdc-relay")
+    assert data is not None
+    settings = data["data"]
+    known = relay_settings("stream", "setup-slot")
+    assert set(settings) <= known, f"not read by stream or setup-slot: {set(settings) - known}"
+    assert {"CDC_RELAY_DSN", "CDC_RELAY_KAFKA_BOOTSTRAP"} <= set(settings)
+    assert not re.search(r"password|://[^/@]*:[^/@]*@", settings["CDC_RELAY_DSN"], re.I)
+    assert settings["CDC_RELAY_METRICS_PORT"] == str(METRICS_PORT)
+    for _, template in pod_templates(overlay_objects):
+        for container in containers(template):
+            assert not any(v["name"] == "PGPASSWORD" and "value" in v for v in container["env"])
+            assert not any("password" in arg.lower() for arg in container.get("args", []))
+
+
+def test_probes_use_the_health_endpoints_on_the_metrics_port(overlay_objects: Objects) -> None:
+    template = stream_template(overlay_objects)
+    (container,) = template["spec"]["containers"]
+    assert container["args"] == ["stream"]
+    ports = container_ports(template)
+    assert ports == {"metrics": METRICS_PORT}
+    expected = {
+        "livenessProbe": "/healthz",
+        "readinessProbe": "/readyz",
+        "startupProbe": "/healthz",
+    }
+    for probe, path in expected.items():
+        get = container[probe]["httpGet"]
+        assert get["path"] == path
+        assert get["port"] in ports or get["port"] in ports.values()
+
+
+def test_one_stream_at_a_time_and_time_to_stop_cleanly(overlay_objects: Objects) -> None:
+    deployment = named(overlay_objects, "Deployment", "cdc-relay")
+    assert deployment is not None
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    settings = named(overlay_objects, "ConfigMap", "cdc-relay")
+    assert settings is not None
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > float(settings["data"]["CDC_RELAY_SHUTDOWN_TIMEOUT"])
+
+
+def test_setup_slot_is_a_job_of_the_same_image(overlay_objects: Objects) -> None:
+    job = named(overlay_objects, "Job", "cdc-relay-setup-slot")
+    assert job is not None
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["setup-slot"]
+    (stream,) = stream_template(overlay_objects)["spec"]["containers"]
+    assert container["image"] == stream["image"]
+    assert re.search(r"@sha256:[0-9a-f]{64}$", container["image"]), "pin the image by digest"
+
+
+def test_pods_are_locked_down(overlay_objects: Objects) -> None:
+    for _, template in pod_templates(overlay_objects):
+        spec = template["spec"]
+        assert spec["automountServiceAccountToken"] is False
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True
+        assert isinstance(pod["runAsUser"], int) and pod["runAsUser"] > 0
+        assert pod["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in containers(template):
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+            assert context["runAsNonRoot"] is True
+            assert context.get("runAsUser", pod["runAsUser"]) == 10001, "the image's UID"
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(container["resources"][kind])
+    account = named(overlay_objects, "ServiceAccount", "cdc-relay")
+    assert account is not None
+    assert account["automountServiceAccountToken"] is False
+
+
+def test_the_metrics_service_and_pod_monitor_reach_the_stream_pod(overlay_objects: Objects) -> None:
+    template = stream_template(overlay_objects)
+    labels = template["metadata"]["labels"]
+    ports = container_ports(template)
+    (service,) = of_kind(overlay_objects, "Service")
+    assert selects(service["spec"]["selector"], labels)
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] in ports and port["port"] == METRICS_PORT
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    (monitor,) = of_kind(overlay_objects, "PodMonitor")
+    assert selects(monitor["spec"]["selector"], labels)
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] in ports
+        assert endpoint.get("path", "/metrics") == "/metrics"
+    # Nothing else is scraped by mistake: the setup Job's pods are not selected.
+    job = named(overlay_objects, "Job", "cdc-relay-setup-slot")
+    assert job is not None
+    assert not selects(monitor["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
+
+
+def test_the_disruption_budget_covers_the_stream_and_lets_drains_proceed(
+    overlay_objects: Objects,
+) -> None:
+    (budget,) = of_kind(overlay_objects, "PodDisruptionBudget")
+    assert selects(
+        budget["spec"]["selector"], stream_template(overlay_objects)["metadata"]["labels"]
+    )
+    assert budget["spec"].get("maxUnavailable") == 1 and "minAvailable" not in budget["spec"]
+
+
+def test_the_network_policy_lets_in_scrapes_and_out_dns_postgres_kafka(
+    overlay_objects: Objects,
+) -> None:
+    (policy,) = of_kind(overlay_objects, "NetworkPolicy")
+    spec = policy["spec"]
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+    for _, template in pod_templates(overlay_objects):
+        assert selects(spec["podSelector"], template["metadata"]["labels"])
+    ports = container_ports(stream_template(overlay_objects))
+    (ingress,) = spec["ingress"]
+    assert [port["port"] for port in ingress["ports"]] in (["metrics"], [METRICS_PORT])
+    assert all(port["port"] in ports or port["port"] in ports.values() for port in ingress["ports"])
+
+    settings = named(overlay_objects, "ConfigMap", "cdc-relay")
+    assert settings is not None
+    data = settings["data"]
+    dsn_port = re.search(r"\bport=(\d+)", data["CDC_RELAY_DSN"])
+    wanted = {DNS_PORT, int(dsn_port.group(1)) if dsn_port else POSTGRES_PORT}
+    wanted |= {
+        int(server.rsplit(":", 1)[1]) for server in data["CDC_RELAY_KAFKA_BOOTSTRAP"].split(",")
+    }
+    allowed = {port["port"] for rule in spec["egress"] for port in rule["ports"]}
+    assert allowed == wanted, "egress: exactly DNS, the database's port and the brokers' ports"
+    for rule in spec["egress"]:
+        assert rule["ports"], "an egress rule without ports lets everything out"
+
+
+def test_every_object_lands_in_one_namespace(rendered_overlay: Objects) -> None:
+    namespaces = {obj["metadata"].get("namespace") for obj in rendered_overlay}
+    namespaces.discard(None)
+    (namespace,) = namespaces
+    assert named(rendered_overlay, "Namespace", namespace), "the overlay creates its namespace"
+    for obj in rendered_overlay:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"]["namespace"] == namespace, obj["metadata"]["name"]
