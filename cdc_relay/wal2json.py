@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cdc_relay.errors import DecodeError, UsageError
@@ -42,6 +42,9 @@ def _lsn(value: Any) -> int:
         raise DecodeError(f"malformed LSN {value!r}") from None
 
 
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _timestamp_us(value: Any) -> int:
     if not isinstance(value, str):
         raise DecodeError(f"timestamp {value!r} is not a string")
@@ -51,7 +54,8 @@ def _timestamp_us(value: Any) -> int:
         raise DecodeError(f"malformed timestamp {value!r}") from None
     if moment.tzinfo is None:
         raise DecodeError(f"timestamp {value!r} has no time zone")
-    return int(moment.timestamp()) * 1_000_000 + moment.microsecond
+    # Integer arithmetic: int(moment.timestamp()) rounds toward zero, a second off before 1970.
+    return (moment - _UNIX_EPOCH) // timedelta(microseconds=1)
 
 
 def _value(value: Any) -> Value:
