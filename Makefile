@@ -31,11 +31,6 @@ integration: install
 test-deploy: install
 	$(PY) -m pytest -m deploy tests/deploy
 
-# The Dockerfiles, docker-compose.yml and deploy/: no services, no cluster, no Docker engine.
-.PHONY: test-deploy
-test-deploy: install
-	$(PY) -m pytest -m deploy tests/deploy
-
 test: check
 	$(PY) -m pytest tests
 
