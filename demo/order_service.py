@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-import time
+import threading
 from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
@@ -33,16 +33,24 @@ def place_order(conn: psycopg.Connection[Any], customer: str, total: Decimal) ->
     return order_id
 
 
-def run(dsn: str, count: int | None, interval: float, say: Callable[[str], None]) -> int:
-    """Place ``count`` orders (forever when None), one every ``interval`` seconds."""
+def run(
+    dsn: str,
+    count: int | None,
+    interval: float,
+    say: Callable[[str], None],
+    stop: threading.Event | None = None,
+) -> int:
+    """Place ``count`` orders (forever when None), one every ``interval`` seconds, until
+    ``stop`` is set."""
     placed = 0
     rng = random.Random()
+    stop = stop or threading.Event()
     with psycopg.connect(dsn) as conn:
-        while count is None or placed < count:
+        while (count is None or placed < count) and not stop.is_set():
             customer = rng.choice(CUSTOMERS)
             total = Decimal(rng.randint(500, 50_000)) / 100
             order_id = place_order(conn, customer, total)
             placed += 1
             say(f"order {order_id} placed by {customer}: {total}")
-            time.sleep(interval)
+            stop.wait(interval)
     return placed

@@ -38,7 +38,10 @@ def say(who: str, text: str) -> None:
 
 def relay_output(proc: subprocess.Popen[str]) -> None:
     for line in proc.stdout or ():
-        say("relay", line.rstrip())
+        # A broker that has just started answers "coordinator load in progress" to the
+        # producer's first requests, which it retries: true, but noise in a demo.
+        if "Coordinator load in progress" not in line:
+            say("relay", line.rstrip())
 
 
 def consume(bootstrap: str, stop: threading.Event, arrived: list[str]) -> None:
@@ -117,7 +120,9 @@ def main() -> int:
 
         def orders() -> None:
             try:
-                run_orders(dsn, args.orders, args.interval, lambda text: say("orders", text))
+                run_orders(
+                    dsn, args.orders, args.interval, lambda text: say("orders", text), stopping
+                )
             except psycopg.Error as exc:
                 say("orders", f"stopped: {exc}")
 
