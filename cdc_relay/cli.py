@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -22,6 +24,13 @@ from cdc_relay.config import (
 from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.metrics import Health, serve
+from cdc_relay.poller import (
+    PollRelay,
+    PollSettings,
+    dead_letters,
+    prune,
+    retry_dead_letters,
+)
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE
 from cdc_relay.sink import producer_config
 from cdc_relay.slot import SlotSpec, drop, setup, status
@@ -65,6 +74,11 @@ def database_options(func: F) -> F:
     ):
         func = decorate(func)
     return func
+
+
+def outbox_options(func: F) -> F:
+    """The database and the outbox table, for the commands that need no slot."""
+    return _DSN(_TABLE(func))
 
 
 def metrics_options(func: F) -> F:
@@ -405,6 +419,216 @@ def stream(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: relay.request_stop())
     relay.run()
+
+
+@cli.command("poll")
+@outbox_options
+@kafka_options()
+@_option(
+    "--workers",
+    type=click.IntRange(1, 64),
+    default=1,
+    show_default=True,
+    help="Claiming threads, each with its own connection and producer. Each owns a share of "
+    "the aggregates, so one process keeps every aggregate's order.",
+)
+@_option(
+    "--batch-size",
+    type=click.IntRange(1, 100_000),
+    default=500,
+    show_default=True,
+    help="Rows claimed, published and marked per transaction.",
+)
+@_option(
+    "--poll-interval",
+    type=click.FloatRange(0.05, 3600),
+    default=5.0,
+    show_default=True,
+    help="Seconds between claims when no notification comes (sql/poller.sql's trigger "
+    "wakes the poller at once).",
+)
+@_option(
+    "--max-attempts",
+    type=click.IntRange(1, 1_000_000),
+    default=10,
+    show_default=True,
+    help="Failed publishes after which a row becomes a dead letter.",
+)
+@_option(
+    "--backoff-base",
+    type=click.FloatRange(0.001, 86400),
+    default=1.0,
+    show_default=True,
+    help="Seconds before a failed row is tried again; doubles with every attempt, jittered.",
+)
+@_option(
+    "--backoff-max",
+    type=click.FloatRange(0.001, 86400),
+    default=300.0,
+    show_default=True,
+    help="The longest wait between two tries of a row.",
+)
+@run_options
+@metrics_options
+@log_options
+def poll(
+    dsn: str,
+    table: str,
+    kafka_bootstrap: str,
+    kafka_config: tuple[str, ...],
+    kafka_config_file: Path | None,
+    topic_template: str,
+    tombstone_on_empty_payload: bool,
+    kafka_timeout: float,
+    workers: int,
+    batch_size: int,
+    poll_interval: float,
+    max_attempts: int,
+    backoff_base: float,
+    backoff_max: float,
+    shutdown_timeout: float,
+    progress_interval: float,
+    metrics_port: int,
+    metrics_host: str,
+    log_format: str,
+    log_level: str,
+) -> None:
+    """Publish the outbox by polling it: no replication slot needed.
+
+    Claims batches with FOR UPDATE SKIP LOCKED, publishes them through the same router and
+    producer as stream, marks them processed. Stops cleanly on SIGTERM or Ctrl-C: finishes
+    or releases the current batches, exits 0.
+    """
+    logs.configure(log_format, log_level)
+    settings = PollSettings(
+        dsn=dsn,
+        table=table,
+        kafka_config=producer_config(
+            kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
+        ),
+        topic_template=topic_template,
+        tombstone_on_empty=tombstone_on_empty_payload,
+        workers=workers,
+        batch_size=batch_size,
+        poll_interval=poll_interval,
+        max_attempts=max_attempts,
+        backoff_base=backoff_base,
+        backoff_max=max(backoff_max, backoff_base),
+        shutdown_timeout=shutdown_timeout,
+        kafka_timeout=kafka_timeout,
+        progress_interval=progress_interval,
+    )
+    relay = PollRelay(settings, start_metrics(metrics_host, metrics_port))
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: relay.request_stop())
+    relay.run()
+
+
+@cli.group("dead-letters")
+def dead_letters_group() -> None:
+    """Rows the poller gave up on: list them, or give them another try."""
+
+
+@dead_letters_group.command("list")
+@outbox_options
+@click.option("--json", "as_json", is_flag=True, help="A JSON array instead of a table.")
+@click.option(
+    "--limit", type=click.IntRange(1), default=100, show_default=True, help="Oldest first."
+)
+def dead_letters_list(dsn: str, table: str, as_json: bool, limit: int) -> None:
+    """List dead letters, oldest first, with their last error."""
+    rows = dead_letters(dsn, table, limit)
+    if as_json:
+        click.echo(json.dumps(rows, default=str))
+        return
+    if not rows:
+        click.echo("no dead letters")
+        return
+    header = ("id", "attempts", "created", "aggregate", "event type", "last error")
+    lines = [
+        (
+            row["id"],
+            str(row["attempts"]),
+            row["created_at"].strftime("%Y-%m-%d %H:%M:%S"),
+            f"{row['aggregate_type']}/{row['aggregate_id']}",
+            row["event_type"],
+            row["last_error"] or "",
+        )
+        for row in rows
+    ]
+    widths = [max(len(cells[i]) for cells in [header, *lines]) for i in range(len(header) - 1)]
+    for cells in [header, *lines]:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=False)) + cells[-1])
+
+
+@dead_letters_group.command("retry")
+@outbox_options
+@click.option("--id", "ids", multiple=True, metavar="UUID", help="A dead letter; repeatable.")
+@click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
+def dead_letters_retry(dsn: str, table: str, ids: tuple[str, ...], retry_all: bool) -> None:
+    """Give dead letters another try: attempts start again from 0 and a poller takes them.
+
+    Fix what Kafka refused first (e.g. raise the topic's max.message.bytes).
+    """
+    if retry_all == bool(ids):
+        raise UsageError("name the dead letters with --id (repeatable), or pass --all")
+    for value in ids:
+        try:
+            uuid.UUID(value)
+        except ValueError:
+            raise UsageError(f"--id {value!r} is not a UUID") from None
+    queued = retry_dead_letters(dsn, table, ids or None)
+    click.echo(f"queued {len(queued)} dead letter{'' if len(queued) == 1 else 's'} again")
+    missing = sorted({str(uuid.UUID(v)) for v in ids} - set(queued))
+    if missing:
+        raise RelayError(
+            f"not dead letters, left alone: {', '.join(missing)}; see cdc-relay dead-letters list"
+        )
+
+
+_AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def _age(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
+    """An age such as 90s, 30m, 12h, 7d or 2w."""
+    unit = _AGE_UNITS.get(value.strip()[-1:])
+    try:
+        amount = float(value.strip()[:-1])
+    except ValueError:
+        unit = None
+    if unit is None or amount < 0:
+        raise click.BadParameter(f"{value!r} is not an age; write it like 90s, 30m, 12h, 7d or 2w")
+    return timedelta(**{unit: amount})
+
+
+@cli.command("prune")
+@outbox_options
+@_option(
+    "--older-than",
+    required=True,
+    metavar="AGE",
+    callback=_age,
+    help="Delete rows processed longer ago than this: 90s, 30m, 12h, 7d, 2w.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(1),
+    default=10_000,
+    show_default=True,
+    envvar="CDC_RELAY_PRUNE_BATCH_SIZE",
+    show_envvar=True,
+    help="Rows deleted per transaction.",
+)
+def prune_command(dsn: str, table: str, older_than: timedelta, batch_size: int) -> None:
+    """Delete processed rows of the outbox, in batches, oldest first.
+
+    Unprocessed rows and dead letters are never deleted.
+    """
+    deleted, cutoff = prune(dsn, table, older_than, batch_size)
+    click.echo(
+        f"pruned {deleted} processed row{'' if deleted == 1 else 's'} "
+        f"(processed before {cutoff.isoformat(timespec='seconds')})"
+    )
 
 
 def main() -> None:

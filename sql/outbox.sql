@@ -22,6 +22,17 @@ CREATE INDEX IF NOT EXISTS outbox_events_unprocessed
     ON outbox_events (seq)
     WHERE processed_at IS NULL;
 
+-- The polling relay's rows waiting out a backoff after a failed publish (few, if any): the
+-- later rows of their aggregates wait for them.
+CREATE INDEX IF NOT EXISTS outbox_events_retrying
+    ON outbox_events (aggregate_type, aggregate_id, seq)
+    WHERE processed_at IS NULL AND retry_after IS NOT NULL;
+
+-- `cdc-relay prune` deletes old processed rows in batches, oldest first.
+CREATE INDEX IF NOT EXISTS outbox_events_processed
+    ON outbox_events (processed_at)
+    WHERE processed_at IS NOT NULL;
+
 -- A table-less outbox: the event travels in the WAL only, as a transactional logical
 -- decoding message that the relay routes exactly like a row. Nothing is stored, so there is
 -- nothing to clean up; the message is decoded only if the transaction commits.

@@ -322,6 +322,7 @@ def consume(
     consumer.subscribe([f"^{topic_prefix.replace('.', '[.]')}[.].*"])
     received: list[Received] = []
     ids: set[str] = set()
+    positions: set[tuple[str, int, int]] = set()
     deadline = time.monotonic() + timeout
     settle_until: float | None = None
     try:
@@ -341,6 +342,10 @@ def consume(
                 ):
                     continue
                 raise AssertionError(f"consumer error: {msg.error()}")
+            position = (msg.topic(), msg.partition(), msg.offset())
+            if position in positions:
+                continue  # read again after a rebalance: the same message, not a duplicate
+            positions.add(position)
             item = Received(
                 topic=msg.topic(),
                 partition=msg.partition(),

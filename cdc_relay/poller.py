@@ -1,0 +1,599 @@
+"""The polling relay: claim outbox rows, publish them through the same router and sink as
+``stream``, mark them processed.
+
+One cycle is one transaction: claim a bounded batch (``FOR UPDATE SKIP LOCKED`` over the
+partial index of unprocessed rows), produce it in ``seq`` order, wait for Kafka's delivery
+reports, mark the delivered rows processed in one statement and the refused ones for a later
+try, commit. Each worker is a thread with its own connection and its own producer (librdkafka
+does its work outside the GIL), and owns a share of the aggregates, so the workers of one
+process keep each aggregate's order. A listener thread turns NOTIFY into wake-ups.
+
+Also here: the housekeeping commands (dead letters, prune).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+from confluent_kafka import KafkaError
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from psycopg.rows import class_row, dict_row
+
+from cdc_relay.errors import PreflightError, RelayError
+from cdc_relay.events import OutboxEvent
+from cdc_relay.metrics import (
+    BATCH_DURATION,
+    CONNECTED,
+    DEAD_LETTERS,
+    EVENTS_PENDING,
+    EVENTS_PUBLISHED,
+    Health,
+)
+from cdc_relay.queries import QUERIES
+from cdc_relay.routing import Message, Router
+from cdc_relay.sink import KafkaSink
+from cdc_relay.slot import connect
+
+log = logging.getLogger(__name__)
+
+APPLICATION_NAME = "cdc-relay poll"
+"""The ``application_name`` of the poller's sessions."""
+
+_RECONNECT_MAX = 10.0
+_WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka
+
+
+@dataclass(frozen=True)
+class PollSettings:
+    dsn: str
+    table: str
+    kafka_config: dict[str, str]
+    topic_template: str
+    tombstone_on_empty: bool = False
+    workers: int = 1
+    batch_size: int = 500
+    poll_interval: float = 5.0
+    max_attempts: int = 10
+    backoff_base: float = 1.0
+    backoff_max: float = 300.0
+    shutdown_timeout: float = 30.0
+    kafka_timeout: float = 15.0
+    progress_interval: float = 10.0
+
+
+def backoff(
+    attempts: int, base: float, cap: float, jitter: Callable[[], float] = random.random
+) -> float:
+    """Seconds before a row that has failed ``attempts`` times is tried again.
+
+    ``base * 2 ** (attempts - 1)``, at most ``cap``, times a random factor in [0.5, 1): rows that
+    failed together come back apart, and no wait is shorter than half its step.
+    """
+    step = min(cap, base * 2.0 ** min(max(attempts - 1, 0), 64))
+    return step * (0.5 + jitter() / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """An unprocessed row, as the claim reads it."""
+
+    id: str
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: bytes | None
+    attempts: int
+
+    @property
+    def aggregate(self) -> tuple[str, str]:
+        return self.aggregate_type, self.aggregate_id
+
+    def event(self) -> OutboxEvent:
+        return OutboxEvent(
+            id=self.id,
+            aggregate_type=self.aggregate_type,
+            aggregate_id=self.aggregate_id,
+            event_type=self.event_type,
+            payload=self.payload,
+            commit_lsn=0,
+            xid=0,
+            commit_time_us=0,
+        )
+
+
+def _failure(err: KafkaError) -> str:
+    return f"{err.name()}: {err.str()}"
+
+
+class Publisher:
+    """Produces rows through one sink and collects each one's delivery report.
+
+    Order per aggregate: rows are produced in the order given, and once a row is known to have
+    failed, the later rows of its aggregate in the batch are held back (left for a later
+    claim, which waits for the failed row). A row that failed before is sent on its own,
+    between waits: Kafka refuses a whole request for one oversized message, so a poison row
+    must not share one with healthy rows twice, and its fate is known before its aggregate's
+    next row goes.
+    """
+
+    def __init__(self, settings: PollSettings) -> None:
+        self.router = Router(settings.topic_template, settings.tombstone_on_empty)
+        self.sink = KafkaSink(
+            settings.kafka_config, on_ack=self._acked, relay="poll", on_refused=self._refused
+        )
+        self.acked: set[int] = set()
+        self.refused: dict[int, str] = {}
+        self.held: list[int] = []
+        self.outstanding = 0  # produced, no report yet
+        self._rows: Sequence[OutboxRow] = ()
+        self._failed: set[tuple[str, str]] = set()  # aggregates with a failed row
+
+    def _acked(self, index: int) -> None:
+        self.outstanding -= 1
+        self.acked.add(index)
+
+    def _refused(self, index: int, err: KafkaError) -> None:
+        self.outstanding -= 1
+        self._fail(index, _failure(err))
+
+    def _fail(self, index: int, error: str) -> None:
+        self.refused[index] = error
+        self._failed.add(self._rows[index].aggregate)
+
+    def publish(self, rows: Sequence[OutboxRow], give_up: Callable[[], bool]) -> bool:
+        """Produce ``rows`` and wait for their reports; False if ``give_up`` said so first
+        (the rows without a report are then neither acknowledged nor refused)."""
+        # The tokens are row indexes: no report of an earlier batch may still come.
+        if not self.wait(give_up):
+            return False
+        self.acked.clear()
+        self.refused.clear()
+        self.held.clear()
+        self._failed.clear()
+        self._rows = rows
+        for index, row in enumerate(rows):
+            if row.attempts and not self.wait(give_up):
+                return False
+            if row.aggregate in self._failed:
+                self.held.append(index)
+                continue
+            try:
+                message = self.router.route(row.event())
+            except RelayError as exc:  # no legal topic, no payload: the row's fault
+                self._fail(index, str(exc))
+                continue
+            if not self._offer(message, index, give_up):
+                return False
+            if row.attempts and not self.wait(give_up):
+                return False
+        return self.wait(give_up)
+
+    def _offer(self, message: Message, index: int, give_up: Callable[[], bool]) -> bool:
+        self.outstanding += 1
+        while not self.sink.offer(message, index):
+            self.sink.poll(_WAIT_SLICE)  # the producer's queue is full: let it drain
+            if give_up():
+                self.outstanding -= 1
+                return False
+        return True
+
+    def wait(self, give_up: Callable[[], bool]) -> bool:
+        """Serve delivery reports until none is outstanding; False if ``give_up`` came first.
+
+        While the broker is down, this waits: the producer retries until it is back.
+        """
+        while self.outstanding:
+            self.sink.settle(_WAIT_SLICE)
+            self.sink.poll(0)  # raises on a fatal producer error
+            if self.outstanding and give_up():
+                return False
+        return True
+
+
+class Wake:
+    """Counts notifications; a worker waits until the count moves past what it saw before its
+    last claim, so a notification that came during the claim is not lost."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+
+    def seen(self) -> int:
+        with self._cond:
+            return self._count
+
+    def notify(self) -> None:
+        with self._cond:
+            self._count += 1
+            self._cond.notify_all()
+
+    def wait(self, seen: int, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._count != seen, timeout)
+
+
+@dataclass
+class Counts:
+    """One worker's tally, read by the progress line."""
+
+    published: int = 0
+    failed: int = 0
+
+
+class Worker:
+    """Claims, publishes and marks batches of one shard of the aggregates until stopped."""
+
+    def __init__(
+        self, relay: PollRelay, shard: int, publisher: Publisher, table: sql.Composable
+    ) -> None:
+        self.relay = relay
+        self.settings = relay.settings
+        self.shard = shard
+        self.publisher = publisher
+        self.counts = Counts()
+        self.released = 0  # messages whose reports had not come when the worker stopped
+        self._conn: psycopg.Connection[Any] | None = None
+        self._claim = sql.SQL(QUERIES["claim"]).format(table=table)
+        self._mark_processed = sql.SQL(QUERIES["mark_processed"]).format(table=table)
+        self._mark_failed = sql.SQL(QUERIES["mark_failed"]).format(table=table)
+        self._stopping_since: float | None = None
+        self.thread = threading.Thread(target=self._run, name=f"poll-worker-{shard}")
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.relay.fail(exc)
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+            self.released += self.publisher.outstanding
+            self.publisher.sink.close()
+
+    def _loop(self) -> None:
+        relay = self.relay
+        delay = 0.5
+        while not relay.stopping.is_set():
+            seen = relay.wake.seen()
+            try:
+                claimed = self._cycle()
+            except psycopg.OperationalError as exc:
+                log.warning(
+                    "lost the database connection, reconnecting in %.1fs: %s",
+                    delay,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else "no message",
+                    extra={"action": "disconnected"},
+                )
+                self._drop_connection()
+                relay.stopping.wait(delay)
+                delay = min(delay * 2, _RECONNECT_MAX) * random.uniform(0.8, 1.2)  # noqa: S311
+                continue
+            delay = 0.5
+            relay.health.beat()
+            if claimed < self.settings.batch_size:
+                relay.wake.wait(seen, self.settings.poll_interval)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = psycopg.connect(
+                self.relay.conninfo, autocommit=True, row_factory=class_row(OutboxRow)
+            )
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        """After a lost connection: PostgreSQL released the claim, so whatever the producer still
+        holds may be claimed again; wait (bounded) for it to settle first."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.publisher.wait(self._give_up)
+
+    def _give_up(self) -> bool:
+        """Whether to stop waiting for Kafka: a stop was requested and its grace has run out."""
+        self.relay.health.beat()
+        if not self.relay.stopping.is_set():
+            return False
+        if self._stopping_since is None:
+            self._stopping_since = time.monotonic()
+        return time.monotonic() - self._stopping_since >= self.settings.shutdown_timeout
+
+    def _cycle(self) -> int:
+        """One batch: claim, publish, mark, commit. Returns how many rows were claimed."""
+        settings = self.settings
+        conn = self._connection()
+        started = time.monotonic()
+        with conn.transaction():
+            rows = conn.execute(
+                self._claim,
+                {"limit": settings.batch_size, "shard": self.shard, "shards": settings.workers},
+            ).fetchall()
+            if not rows:
+                return 0
+            complete = self.publisher.publish(rows, self._give_up)
+            self._mark(conn, rows)
+        BATCH_DURATION.observe(time.monotonic() - started)
+        if not complete:
+            # Stopping with reports outstanding: those rows stay unprocessed and unlocked, and
+            # the producer's copies are purged when the worker closes its sink.
+            publisher = self.publisher
+            unreported = (
+                len(rows) - len(publisher.acked) - len(publisher.refused) - len(publisher.held)
+            )
+            log.warning(
+                "stopping before Kafka answered for %d rows; they stay unprocessed",
+                unreported,
+                extra={"action": "batch_released"},
+            )
+        return len(rows)
+
+    def _mark(self, conn: psycopg.Connection[Any], rows: Sequence[OutboxRow]) -> None:
+        publisher = self.publisher
+        settings = self.settings
+        if publisher.acked:
+            ids = [rows[i].id for i in publisher.acked]
+            conn.execute(self._mark_processed, {"ids": ids})
+            self.counts.published += len(ids)
+            EVENTS_PUBLISHED.labels(relay="poll").inc(len(ids))
+        if not publisher.refused:
+            return
+        failed = [rows[i] for i in publisher.refused]
+        delays = [
+            backoff(row.attempts + 1, settings.backoff_base, settings.backoff_max) for row in failed
+        ]
+        params = {
+            "ids": [row.id for row in failed],
+            "errors": list(publisher.refused.values()),
+            "delays": delays,
+            "max_attempts": settings.max_attempts,
+        }
+        with conn.cursor(row_factory=dict_row) as cur:
+            outcome = {r["id"]: r for r in cur.execute(self._mark_failed, params).fetchall()}
+        self.counts.failed += len(failed)
+        for row, delay, error in zip(failed, delays, publisher.refused.values(), strict=True):
+            result = outcome.get(row.id, {"attempts": row.attempts + 1, "dead": False})
+            fields = {
+                "event_id": row.id,
+                "event_type": row.event_type,
+                "aggregate_id": row.aggregate_id,
+                "attempt": result["attempts"],
+                "error": error,
+            }
+            if result["dead"]:
+                log.error(
+                    "gave up on event %s after %d attempts: it is a dead letter now "
+                    "(cdc-relay dead-letters list)",
+                    row.id,
+                    result["attempts"],
+                    extra={"action": "dead_letter", **fields},
+                )
+            else:
+                log.warning(
+                    "publishing event %s failed (attempt %d of %d), next try in %.1fs",
+                    row.id,
+                    result["attempts"],
+                    settings.max_attempts,
+                    delay,
+                    extra={"action": "retry_later", **fields},
+                )
+
+
+class PollRelay:
+    """Runs the workers and the listener until stopped; raises what stopped a worker."""
+
+    def __init__(self, settings: PollSettings, health: Health | None = None) -> None:
+        self.settings = settings
+        self.health = health or Health()
+        self.conninfo = make_conninfo(settings.dsn, application_name=APPLICATION_NAME)
+        self.stopping = threading.Event()
+        self.wake = Wake()
+        self._error: BaseException | None = None  # what stopped a worker
+        self._error_lock = threading.Lock()
+        self._listening = False
+        self._workers: list[Worker] = []
+
+    def request_stop(self) -> None:
+        """Finish or release the current batches, then return from ``run``. Signal-safe."""
+        self.stopping.set()
+
+    def fail(self, error: BaseException) -> None:
+        """A worker stopped on ``error``: stop everything, ``run`` raises it."""
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+        self.stopping.set()
+        self.wake.notify()
+
+    def run(self) -> None:
+        """Poll until ``request_stop``; raise RelayError on a failure the user must fix."""
+        settings = self.settings
+        table, channel = self._check_database()
+        publishers = [Publisher(settings) for _ in range(settings.workers)]
+        try:
+            publishers[0].sink.check_reachable(settings.kafka_timeout)
+        except BaseException:
+            for publisher in publishers:
+                publisher.sink.close()
+            raise
+        self._workers = [Worker(self, n, p, table) for n, p in enumerate(publishers)]
+        self._register_metrics()
+        listener = threading.Thread(
+            target=self._listen, args=(channel,), name="poll-listener", daemon=True
+        )
+        listener.start()
+        log.info(
+            "polling %s with %d worker%s, batches of %d",
+            settings.table,
+            settings.workers,
+            "" if settings.workers == 1 else "s",
+            settings.batch_size,
+            extra={"action": "start"},
+        )
+        for worker in self._workers:
+            worker.thread.start()
+        try:
+            while not self.stopping.wait(settings.progress_interval):
+                self._log_progress()
+        finally:
+            self.stopping.set()
+            self.wake.notify()
+            for worker in self._workers:
+                worker.thread.join()
+            self._log_progress()
+            released = sum(w.released for w in self._workers)
+            log.info(
+                "stopped; %d messages were still waiting for Kafka and may be published again",
+                released,
+                extra={"action": "stop"},
+            )
+        if self._error is not None:
+            raise self._error
+
+    def _check_database(self) -> tuple[sql.Composable, str]:
+        """The table has the poller's columns; returns it quoted, and its NOTIFY channel."""
+        with connect(self.conninfo) as conn:
+            found = conn.execute(QUERIES["table_name"], {"table": self.settings.table}).fetchone()
+            if not found:
+                raise PreflightError(
+                    f"table {self.settings.table} does not exist; create it with "
+                    "sql/outbox.sql, or name yours with --table"
+                )
+            table = sql.Identifier(found["schema"], found["name"])
+            missing = conn.execute(QUERIES["poll_columns"], {"table": self.settings.table})
+            columns = (missing.fetchone() or {}).get("missing")
+            if columns:
+                raise PreflightError(
+                    f"table {self.settings.table} has no column {', '.join(columns)}, which "
+                    "the poller needs; add them as sql/outbox.sql does"
+                )
+            trigger = conn.execute(QUERIES["poll_trigger"], {"table": self.settings.table})
+            if not (trigger.fetchone() or {}).get("present"):
+                log.warning(
+                    "no trigger notifies the pollers of new rows in %s; new events wait up to "
+                    "--poll-interval (%gs): apply sql/poller.sql",
+                    self.settings.table,
+                    self.settings.poll_interval,
+                    extra={"action": "no_trigger"},
+                )
+        return table, f"{found['schema']}.{found['name']}"
+
+    def _listen(self, channel: str) -> None:
+        """Turn notifications into wake-ups; reconnect when the connection drops."""
+        listen = sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(channel))
+        delay = 0.5
+        while not self.stopping.is_set():
+            try:
+                with psycopg.connect(self.conninfo, autocommit=True) as conn:
+                    conn.execute(listen)
+                    self._listening = True
+                    self.wake.notify()  # whatever was written while nobody listened
+                    delay = 0.5
+                    while not self.stopping.is_set():
+                        for _ in conn.notifies(timeout=_WAIT_SLICE * 5):
+                            self.wake.notify()
+            except psycopg.OperationalError as exc:
+                log.warning("listener: %s", str(exc).strip(), extra={"action": "disconnected"})
+            self._listening = False
+            self.stopping.wait(delay)
+            delay = min(delay * 2, _RECONNECT_MAX)
+
+    def _register_metrics(self) -> None:
+        CONNECTED.labels(service="postgres").set_function(lambda: self._listening)
+        CONNECTED.labels(service="kafka").set_function(
+            lambda: any(w.publisher.sink.connected for w in self._workers)
+        )
+        self.health.readiness = self._readiness
+
+    def _readiness(self) -> tuple[bool, str]:
+        if not self._listening:
+            return False, "not connected to PostgreSQL"
+        if not any(w.publisher.sink.connected for w in self._workers):
+            return False, "not connected to Kafka"
+        return True, "ok"
+
+    def _log_progress(self) -> None:
+        published = sum(w.counts.published for w in self._workers)
+        failed = sum(w.counts.failed for w in self._workers)
+        pending = _pending_counts(self.conninfo, self.settings.table)
+        if pending is not None:
+            EVENTS_PENDING.set(pending["unprocessed"])
+            DEAD_LETTERS.set(pending["dead_letters"])
+        log.info(
+            "progress: %d events published, %d publish failures; %s unprocessed rows, "
+            "%s dead letters",
+            published,
+            failed,
+            "?" if pending is None else pending["unprocessed"],
+            "?" if pending is None else pending["dead_letters"],
+            extra={"action": "progress"},
+        )
+
+
+def _pending_counts(conninfo: str, table: str) -> dict[str, int] | None:
+    """The outbox's unprocessed rows and dead letters; None when the database is away."""
+    try:
+        with psycopg.connect(conninfo, autocommit=True, row_factory=dict_row) as conn:
+            return conn.execute(_query("pending_counts", table)).fetchone()
+    except psycopg.OperationalError:
+        return None
+
+
+def _query(name: str, table: str) -> sql.Composed:
+    """A named query on the outbox table (``table`` may be schema-qualified)."""
+    return sql.SQL(QUERIES[name]).format(table=sql.Identifier(*table.split(".", 1)))
+
+
+# -- dead letters and pruning ---------------------------------------------------------------
+
+
+def dead_letters(dsn: str, table: str, limit: int) -> list[dict[str, Any]]:
+    """The oldest ``limit`` dead letters."""
+    with connect(dsn) as conn:
+        return conn.execute(_query("dead_letters", table), {"limit": limit}).fetchall()
+
+
+def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[str]:
+    """Put dead letters (those of ``ids``, or all) back in the queue; wake the pollers.
+
+    Returns the ids that were dead letters and are queued again.
+    """
+    with connect(dsn) as conn, conn.transaction():
+        rows = conn.execute(
+            _query("retry_dead_letters", table), {"ids": list(ids) if ids else None}
+        ).fetchall()
+        if rows:
+            conn.execute(QUERIES["notify"], {"channel": _channel(conn, table)})
+    return [row["id"] for row in rows]
+
+
+def _channel(conn: psycopg.Connection[dict[str, Any]], table: str) -> str:
+    found = conn.execute(QUERIES["table_name"], {"table": table}).fetchone() or {}
+    return f"{found.get('schema')}.{found.get('name')}"
+
+
+def prune(
+    dsn: str, table: str, older_than: timedelta, batch_size: int = 10_000
+) -> tuple[int, datetime]:
+    """Delete rows processed more than ``older_than`` ago, ``batch_size`` per transaction.
+
+    Returns how many were deleted and the cut-off.
+    """
+    statement = _query("prune", table)
+    deleted = 0
+    with connect(dsn) as conn:
+        before = conn.execute(QUERIES["prune_before"], {"age": older_than}).fetchone() or {}
+        cutoff: datetime = before["before"]
+        while True:
+            count = conn.execute(statement, {"before": cutoff, "limit": batch_size}).rowcount
+            deleted += count
+            if count < batch_size:
+                return deleted, cutoff
+            log.info("pruned %d rows so far", deleted, extra={"action": "prune"})

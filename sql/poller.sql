@@ -1,0 +1,27 @@
+-- What the polling relay (cdc-relay poll) adds to the outbox of sql/outbox.sql.
+-- Apply once per database after it: psql "$DSN" -f sql/poller.sql (idempotent).
+-- The CDC relay (cdc-relay stream) needs none of it.
+
+-- Wake the pollers when events are written, instead of waiting for their poll interval.
+-- One notification per writing transaction: PostgreSQL folds identical ones together.
+-- The channel is the table's schema-qualified name. Under very high commit rates the
+-- notification queue's commit-time lock shows; then drop the trigger and poll more often.
+CREATE OR REPLACE FUNCTION outbox_events_notify() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE TRIGGER outbox_events_notify
+    AFTER INSERT ON outbox_events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify();
+
+-- Rows the poller gave up on: it failed to publish them --max-attempts times.
+-- The poller parks them at retry_after = 'infinity'; `cdc-relay dead-letters retry`
+-- puts them back in the queue.
+CREATE OR REPLACE VIEW outbox_dead_letters AS
+    SELECT id, seq, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at
+    FROM outbox_events
+    WHERE processed_at IS NULL AND retry_after = 'infinity';
