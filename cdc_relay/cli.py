@@ -28,6 +28,7 @@ from cdc_relay.poller import (
     PollRelay,
     PollSettings,
     dead_letters,
+    handover,
     prune,
     retry_dead_letters,
 )
@@ -214,14 +215,54 @@ def cli() -> None:
 @click.option(
     "--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing."
 )
+@click.option(
+    "--from-poller",
+    is_flag=True,
+    help="Take over from cdc-relay poll (stopped first): create the slot with an exported "
+    "snapshot and publish the rows still unprocessed in it; stream takes the rest.",
+)
+@kafka_options(required=False)
 def setup_slot(
-    dsn: str, slot: str, publication: str, table: str, plugin: str, dry_run: bool
+    dsn: str,
+    slot: str,
+    publication: str,
+    table: str,
+    plugin: str,
+    dry_run: bool,
+    from_poller: bool,
+    kafka_bootstrap: str | None,
+    kafka_config: tuple[str, ...],
+    kafka_config_file: Path | None,
+    topic_template: str,
+    tombstone_on_empty_payload: bool,
+    kafka_timeout: float,
 ) -> None:
     """Check the database and create the publication and the replication slot.
 
-    Safe to run again: what exists already is reported and left as it is.
+    Safe to run again: what exists already is reported and left as it is. With
+    --from-poller (and the Kafka options) it is the switch from poll to stream.
     """
     spec = SlotSpec(slot=slot, publication=publication, table=table, plugin=plugin)
+    if from_poller:
+        if dry_run or not kafka_bootstrap:
+            raise UsageError(
+                "--from-poller publishes the rows the poller left: give --kafka-bootstrap "
+                "(and not --dry-run)"
+            )
+        logs.configure()
+        settings = PollSettings(
+            dsn=dsn,
+            table=table,
+            kafka_config=producer_config(
+                kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
+            ),
+            topic_template=topic_template,
+            tombstone_on_empty=tombstone_on_empty_payload,
+            kafka_timeout=kafka_timeout,
+        )
+        for line in handover(settings, spec).lines:
+            click.echo(line)
+        return
     report = setup(dsn, spec, dry_run=dry_run)
     if dry_run:
         click.echo("-- preflight passed; setup-slot would run:")

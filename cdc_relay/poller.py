@@ -8,16 +8,17 @@ try, commit. Each worker is a thread with its own connection and its own produce
 does its work outside the GIL), and owns a share of the aggregates, so the workers of one
 process keep each aggregate's order. A listener thread turns NOTIFY into wake-ups.
 
-Also here: the housekeeping commands (dead letters, prune).
+Also here: the housekeeping commands (dead letters, prune) and the handover to ``stream``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -28,7 +29,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import class_row, dict_row
 
-from cdc_relay.errors import PreflightError, RelayError
+from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxEvent
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -41,12 +42,12 @@ from cdc_relay.metrics import (
 from cdc_relay.queries import QUERIES
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
-from cdc_relay.slot import connect
+from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
 
 log = logging.getLogger(__name__)
 
 APPLICATION_NAME = "cdc-relay poll"
-"""The ``application_name`` of the poller's sessions."""
+"""The ``application_name`` of the poller's sessions: the handover looks for them."""
 
 _RECONNECT_MAX = 10.0
 _WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka
@@ -597,3 +598,119 @@ def prune(
             if count < batch_size:
                 return deleted, cutoff
             log.info("pruned %d rows so far", deleted, extra={"action": "prune"})
+
+
+# -- handing over to stream -----------------------------------------------------------------
+
+
+@dataclass
+class Handover:
+    """What the handover did, in sentences for the user."""
+
+    lines: list[str]
+
+
+def handover(settings: PollSettings, spec: SlotSpec) -> Handover:
+    """Switch from the poller to ``stream`` with no gap and no overlap.
+
+    Creates the slot with an exported snapshot, publishes the rows still unprocessed in that
+    snapshot and marks them processed; ``stream`` takes every transaction after it. The pollers
+    must be stopped first; a row Kafka refuses undoes the switch (the slot is dropped).
+    """
+    _check_handover(settings, spec)
+    report = setup(settings.dsn, spec, create_slot=False)
+    lines = [f"exists: {line}" for line in report.existing] + report.done
+    publisher = Publisher(settings)
+    try:
+        publisher.sink.check_reachable(settings.kafka_timeout)
+        with _snapshot_transaction(settings, spec) as (lsn, rows):
+            lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
+            try:
+                published = _publish_all(settings, spec, publisher, rows)
+            except BaseException:
+                # Undo: the pollers can be started again, and they will not publish twice
+                # what was marked.
+                with connect(settings.dsn) as conn:
+                    conn.execute(QUERIES["drop_slot"], {"slot": spec.slot})
+                raise
+    finally:
+        publisher.sink.close()
+    lines.append(
+        f"published {published} events that were unprocessed at {lsn} and marked them "
+        f"processed; start cdc-relay stream --slot {spec.slot} for everything after it"
+    )
+    return Handover(lines)
+
+
+def _check_handover(settings: PollSettings, spec: SlotSpec) -> None:
+    with connect(settings.dsn) as conn:
+        if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
+            raise PreflightError(
+                f"slot {spec.slot} exists already, so it cannot start at the poller's last "
+                "row; drop it (cdc-relay drop-slot) or choose another --slot"
+            )
+        pids = [
+            str(r["pid"])
+            for r in conn.execute(QUERIES["pollers"], {"application": APPLICATION_NAME})
+        ]
+        if pids:
+            raise PreflightError(
+                f"{len(pids)} poller sessions are connected (pid {', '.join(pids)}); stop every "
+                "cdc-relay poll (SIGTERM) and run the handover again"
+            )
+        found = conn.execute(QUERIES["table_name"], {"table": settings.table}).fetchone()
+        if not found:
+            raise PreflightError(
+                f"table {settings.table} does not exist; create it with sql/outbox.sql, "
+                "or name yours with --table"
+            )
+        counts = conn.execute(_query("pending_counts", settings.table)).fetchone() or {}
+        if counts.get("dead_letters"):
+            raise PreflightError(
+                f"{counts['dead_letters']} dead letters are in {settings.table}; retry them "
+                "(cdc-relay dead-letters retry, with a poller running) or delete them, then "
+                "run the handover again"
+            )
+
+
+@contextlib.contextmanager
+def _snapshot_transaction(
+    settings: PollSettings, spec: SlotSpec
+) -> Iterator[tuple[str, psycopg.ServerCursor[OutboxRow]]]:
+    """The slot's consistent point, and a cursor over the rows unprocessed as of it."""
+    with psycopg.connect(settings.dsn, row_factory=class_row(OutboxRow)) as conn:
+        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        conn.read_only = True
+        with exported_snapshot(settings.dsn, spec) as (lsn, snapshot):
+            conn.execute(sql.SQL(QUERIES["set_snapshot"]).format(snapshot=sql.Literal(snapshot)))
+            # The snapshot is ours now: the slot's connection may end.
+        with conn.cursor(name="cdc_relay_handover") as rows:
+            rows.execute(_query("unprocessed", settings.table))
+            yield lsn, rows
+
+
+def _publish_all(
+    settings: PollSettings,
+    spec: SlotSpec,
+    publisher: Publisher,
+    rows: psycopg.ServerCursor[OutboxRow],
+) -> int:
+    """Publish every row of the cursor, batch by batch, marking each batch processed."""
+    mark = _query("mark_processed", settings.table)
+    published = 0
+    with connect(settings.dsn) as marker:
+        while batch := rows.fetchmany(settings.batch_size):
+            publisher.publish(batch, lambda: False)
+            acked = [batch[i].id for i in sorted(publisher.acked)]
+            if acked:
+                marker.execute(mark, {"ids": acked})
+                published += len(acked)
+            if publisher.refused:
+                index, error = next(iter(publisher.refused.items()))
+                raise DeliveryError(
+                    f"Kafka refused event {batch[index].id} ({batch[index].event_type}, "
+                    f"aggregate {batch[index].aggregate_id}): {error}; the handover was undone "
+                    f"(slot {spec.slot} dropped, {published} events published and marked): "
+                    "fix the cause and run it again, or restart the pollers"
+                )
+    return published

@@ -18,7 +18,7 @@ from psycopg.conninfo import make_conninfo
 
 from cdc_relay.errors import PreflightError, RelayError, SlotInUseError
 from cdc_relay.events import PG_EPOCH_OFFSET_US
-from cdc_relay.lsn import Lsn, format_lsn
+from cdc_relay.lsn import Lsn, format_lsn, parse
 
 _XLOG_HEADER = struct.Struct("!QQq")  # WAL start, WAL end, server clock
 _KEEPALIVE = struct.Struct("!Qq?")  # WAL end, server clock, reply requested
@@ -77,6 +77,30 @@ class ReplicationConnection:
             )
             for row in range(result.ntuples)
         ]
+
+    def create_slot_exporting_snapshot(self, slot: str, plugin: str) -> tuple[Lsn, str]:
+        """Create a logical slot and export the snapshot it starts from.
+
+        Returns the slot's consistent point and the snapshot's name. A transaction that runs
+        ``SET TRANSACTION SNAPSHOT`` with it sees exactly the transactions committed before the
+        consistent point, and the slot decodes exactly those after. The snapshot can be
+        imported until this connection runs another command or closes.
+        """
+        option = "(SNAPSHOT 'export')" if self._conn.server_version >= 150000 else "EXPORT_SNAPSHOT"
+        command = f"CREATE_REPLICATION_SLOT {_quote_ident(slot)} LOGICAL {_quote_ident(plugin)}"
+        result = self._conn.exec_(f"{command} {option}".encode())
+        if result.status != pq.ExecStatus.TUPLES_OK:
+            message = _error_text(self._conn)
+            if result.error_field(pq.DiagnosticField.SQLSTATE) == b"42710":  # duplicate_object
+                raise PreflightError(
+                    f"replication slot {slot!r} exists already; drop it (cdc-relay drop-slot) "
+                    "or choose another --slot"
+                )
+            raise RelayError(f"cannot create replication slot {slot!r}: {message}")
+        columns = {result.fname(i): i for i in range(result.nfields)}
+        consistent_point = result.get_value(0, columns[b"consistent_point"]) or b""
+        snapshot = result.get_value(0, columns[b"snapshot_name"]) or b""
+        return parse(consistent_point.decode()), snapshot.decode()
 
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         """Send START_REPLICATION; the server streams from max(start_lsn, confirmed LSN)."""

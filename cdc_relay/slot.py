@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,8 +14,10 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
+from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import WAL_RETAINED
 from cdc_relay.queries import QUERIES
+from cdc_relay.replication import ReplicationConnection
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +107,9 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
     return str(table["name"])
 
 
-def setup(dsn: str, spec: SlotSpec, dry_run: bool = False) -> SetupReport:
-    """Idempotently create the publication and the slot after preflight."""
+def setup(dsn: str, spec: SlotSpec, dry_run: bool = False, create_slot: bool = True) -> SetupReport:
+    """Idempotently create the publication and (unless ``create_slot`` is False) the slot,
+    after preflight."""
     report = SetupReport(done=[], existing=[], statements=[])
     with connect(dsn) as conn:
         table = preflight(conn, spec)
@@ -124,6 +129,8 @@ def setup(dsn: str, spec: SlotSpec, dry_run: bool = False) -> SetupReport:
                 conn.execute(statement)
                 report.done.append(f"created publication {spec.publication} on {table}")
 
+        if not create_slot:
+            return report
         slot = _one(conn, "slot", slot=spec.slot)
         if slot:
             _check_slot(spec, database, slot)
@@ -142,6 +149,18 @@ def setup(dsn: str, spec: SlotSpec, dry_run: bool = False) -> SetupReport:
                 lsn = row["lsn"] if row else "?"
                 report.done.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
     return report
+
+
+@contextmanager
+def exported_snapshot(dsn: str, spec: SlotSpec) -> Iterator[tuple[str, str]]:
+    """Create the slot and yield its consistent point and the name of the snapshot it starts
+    from; the snapshot can be imported (``SET TRANSACTION SNAPSHOT``) inside the block."""
+    conn = ReplicationConnection(dsn)
+    try:
+        lsn, snapshot = conn.create_slot_exporting_snapshot(spec.slot, spec.plugin)
+        yield format_lsn(lsn), snapshot
+    finally:
+        conn.close()
 
 
 def _check_publication(spec: SlotSpec, table: str, publication: dict[str, Any]) -> None:
