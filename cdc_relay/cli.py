@@ -408,6 +408,12 @@ def _count(value: int | None) -> str:
     help="Send events Kafka refuses for good (too large, ...) here, with the error in "
     "headers, and go on; without it the relay stops at such an event.",
 )
+@_option(
+    "--standby",
+    is_flag=True,
+    help="When another relay streams the slot, wait and take over as soon as it stops or "
+    "dies, instead of exiting.",
+)
 @metrics_options
 @log_options
 def stream(
@@ -428,6 +434,7 @@ def stream(
     message_prefix: str,
     tombstone_on_empty_payload: bool,
     dead_letter_topic: str | None,
+    standby: bool,
     metrics_port: int,
     metrics_host: str,
     log_format: str,
@@ -455,6 +462,7 @@ def stream(
         message_prefix=message_prefix,
         tombstone_on_empty=tombstone_on_empty_payload,
         dead_letter_topic=dead_letter_topic,
+        standby=standby,
     )
     relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):
