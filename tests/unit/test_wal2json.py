@@ -94,6 +94,7 @@ def test_a_new_column_layout_gets_a_new_relation() -> None:
         b'{"action": "M", "transactional": 1, "lsn": "0/1", "prefix": "p", "content": "c"}',
         b"[" * 100_000,
     ],
+    ids=lambda message: repr(message[:40]),
 )
 def test_bad_input_raises_decode_error(message: bytes) -> None:
     with pytest.raises(DecodeError):
