@@ -34,6 +34,14 @@ test-deploy: install
 test: check
 	$(PY) -m pytest tests
 
+# Coverage-guided fuzzing of the pgoutput and wal2json decoders, FUZZ_SECONDS shared between
+# them; not part of `make test` (tests/fuzz/README.md).
+FUZZ_SECONDS ?= 600
+.PHONY: fuzz
+fuzz: install
+	$(PY) -c 'import atheris' 2>/dev/null || $(VENV)/bin/pip install --quiet -e '.[fuzz]'
+	$(PY) tests/fuzz/fuzz_decoders.py --seconds $(FUZZ_SECONDS)
+
 demo: install
 	$(PY) demo/run.py
 
