@@ -23,6 +23,7 @@ from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.devstack.postgres import SUPERUSER, LocalPostgres
 
 SCHEMA = Path(__file__).parents[1] / "sql"
+SCHEMA_FILES = ("outbox.sql", "poller.sql")
 STALL_TIMEOUT = 180.0
 """A contestant that delivers nothing new for this long has failed."""
 READY_TIMEOUT = 180.0
@@ -47,9 +48,10 @@ class Services:
 
 
 def _schema_files() -> list[Path]:
-    # The outbox first, then whatever else the project's schema holds (the poller's trigger...).
-    files = sorted(SCHEMA.glob("*.sql"))
-    return sorted(files, key=lambda path: path.name != "outbox.sql")
+    # The outbox, and what the poller adds to it (its NOTIFY trigger): the same schema, and so
+    # the same writes, for every contestant. Not the rest of sql/: roles.sql, for one, is a
+    # psql script.
+    return [SCHEMA / name for name in SCHEMA_FILES if (SCHEMA / name).is_file()]
 
 
 @contextlib.contextmanager
