@@ -117,6 +117,7 @@ class StreamRelay:
         self._last_status = 0.0
         self._last_progress = time.monotonic()
         self._sent_flush: Lsn = -1
+        self._standing_by = False
 
     def _acked(self, transaction: Transaction) -> None:
         self.tracker.acked(transaction)
@@ -134,6 +135,11 @@ class StreamRelay:
         self.health.readiness = self._readiness
 
     def _readiness(self) -> tuple[bool, str]:
+        if self._standing_by:
+            # Ready to take over: a rolling update may go on while this one waits.
+            if not self.sink.connected:
+                return False, "standing by, not connected to Kafka"
+            return True, f"standing by for slot {self.settings.slot}"
         if self._conn is None:
             return False, "not connected to PostgreSQL"
         if not self.sink.connected:
@@ -350,20 +356,22 @@ class StreamRelay:
     def _acquire(self) -> ReplicationConnection | None:
         """Open the stream. As a standby, wait while another relay holds the slot: PostgreSQL
         frees it as soon as that relay's connection ends, and this one takes over."""
-        waiting = False
         while not self._stop:
             try:
-                return self._open()
+                conn = self._open()
             except SlotInUseError as exc:
                 if not self.settings.standby:
                     raise
-                if not waiting:
-                    waiting = True
+                if not self._standing_by:
+                    self._standing_by = True
                     log.info(
                         "standing by: %s",
                         exc,
                         extra={"action": "standby", "slot": self.settings.slot},
                     )
+            else:
+                self._standing_by = False
+                return conn
             deadline = time.monotonic() + _STANDBY_RETRY
             while not self._stop and time.monotonic() < deadline:
                 self.health.beat()

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "base"
 OVERLAY = DEPLOY / "overlays" / "example"
-KUSTOMIZATIONS = (BASE, OVERLAY)
+STANDBY = DEPLOY / "overlays" / "standby"
+KUSTOMIZATIONS = (BASE, OVERLAY, STANDBY)
 METRICS_PORT = 9464
 
 # Every metric cdc-relay exports, by the name Prometheus stores, and its type. The alert
