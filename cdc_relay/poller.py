@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 APPLICATION_NAME = "cdc-relay poll"
 """The ``application_name`` of the poller's sessions: the handover looks for them."""
 
+_RECONNECT_BASE = 0.5  # seconds before reconnecting to PostgreSQL, doubling up to the max
 _RECONNECT_MAX = 10.0
 _WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka
 
@@ -109,6 +110,11 @@ class OutboxRow:
             xid=0,
             commit_time_us=0,
         )
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def _failure(err: KafkaError) -> str:
@@ -262,23 +268,24 @@ class Worker:
 
     def _loop(self) -> None:
         relay = self.relay
-        delay = 0.5
+        failures = 0  # connection failures in a row
         while not relay.stopping.is_set():
             seen = relay.wake.seen()
             try:
                 claimed = self._cycle()
             except psycopg.OperationalError as exc:
+                failures += 1
+                delay = backoff(failures, _RECONNECT_BASE, _RECONNECT_MAX)
                 log.warning(
                     "lost the database connection, reconnecting in %.1fs: %s",
                     delay,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else "no message",
+                    _first_line(exc),
                     extra={"action": "disconnected"},
                 )
                 self._drop_connection()
                 relay.stopping.wait(delay)
-                delay = min(delay * 2, _RECONNECT_MAX) * random.uniform(0.8, 1.2)  # noqa: S311
                 continue
-            delay = 0.5
+            failures = 0
             relay.health.beat()
             if claimed < self.settings.batch_size:
                 relay.wake.wait(seen, self.settings.poll_interval)
@@ -461,13 +468,7 @@ class PollRelay:
     def _check_database(self) -> tuple[sql.Composable, str]:
         """The table has the poller's columns; returns it quoted, and its NOTIFY channel."""
         with connect(self.conninfo) as conn:
-            found = conn.execute(QUERIES["table_name"], {"table": self.settings.table}).fetchone()
-            if not found:
-                raise PreflightError(
-                    f"table {self.settings.table} does not exist; create it with "
-                    "sql/outbox.sql, or name yours with --table"
-                )
-            table = sql.Identifier(found["schema"], found["name"])
+            table, channel = _outbox(conn, self.settings.table)
             missing = conn.execute(QUERIES["poll_columns"], {"table": self.settings.table})
             columns = (missing.fetchone() or {}).get("missing")
             if columns:
@@ -484,27 +485,27 @@ class PollRelay:
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},
                 )
-        return table, f"{found['schema']}.{found['name']}"
+        return table, channel
 
     def _listen(self, channel: str) -> None:
         """Turn notifications into wake-ups; reconnect when the connection drops."""
         listen = sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(channel))
-        delay = 0.5
+        failures = 0  # connection failures in a row
         while not self.stopping.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True) as conn:
                     conn.execute(listen)
                     self._listening = True
                     self.wake.notify()  # whatever was written while nobody listened
-                    delay = 0.5
+                    failures = 0
                     while not self.stopping.is_set():
                         for _ in conn.notifies(timeout=_WAIT_SLICE * 5):
                             self.wake.notify()
             except psycopg.OperationalError as exc:
-                log.warning("listener: %s", str(exc).strip(), extra={"action": "disconnected"})
+                log.warning("listener: %s", _first_line(exc), extra={"action": "disconnected"})
             self._listening = False
-            self.stopping.wait(delay)
-            delay = min(delay * 2, _RECONNECT_MAX)
+            failures += 1
+            self.stopping.wait(backoff(failures, _RECONNECT_BASE, _RECONNECT_MAX))
 
     def _register_metrics(self) -> None:
         CONNECTED.labels(service="postgres").set_function(lambda: self._listening)
@@ -547,6 +548,17 @@ def _pending_counts(conninfo: str, table: str) -> dict[str, int] | None:
         return None
 
 
+def _outbox(conn: psycopg.Connection[dict[str, Any]], table: str) -> tuple[sql.Identifier, str]:
+    """The outbox table, quoted, and the channel sql/poller.sql's trigger notifies for it."""
+    found = conn.execute(QUERIES["table_name"], {"table": table}).fetchone()
+    if not found:
+        raise PreflightError(
+            f"table {table} does not exist; create it with sql/outbox.sql, "
+            "or name yours with --table"
+        )
+    return sql.Identifier(found["schema"], found["name"]), f"{found['schema']}.{found['name']}"
+
+
 def _query(name: str, table: str) -> sql.Composed:
     """A named query on the outbox table (``table`` may be schema-qualified)."""
     return sql.SQL(QUERIES[name]).format(table=sql.Identifier(*table.split(".", 1)))
@@ -571,13 +583,8 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
             _query("retry_dead_letters", table), {"ids": list(ids) if ids else None}
         ).fetchall()
         if rows:
-            conn.execute(QUERIES["notify"], {"channel": _channel(conn, table)})
+            conn.execute(QUERIES["notify"], {"channel": _outbox(conn, table)[1]})
     return [row["id"] for row in rows]
-
-
-def _channel(conn: psycopg.Connection[dict[str, Any]], table: str) -> str:
-    found = conn.execute(QUERIES["table_name"], {"table": table}).fetchone() or {}
-    return f"{found.get('schema')}.{found.get('name')}"
 
 
 def prune(
@@ -658,12 +665,7 @@ def _check_handover(settings: PollSettings, spec: SlotSpec) -> None:
                 f"{len(pids)} poller sessions are connected (pid {', '.join(pids)}); stop every "
                 "cdc-relay poll (SIGTERM) and run the handover again"
             )
-        found = conn.execute(QUERIES["table_name"], {"table": settings.table}).fetchone()
-        if not found:
-            raise PreflightError(
-                f"table {settings.table} does not exist; create it with sql/outbox.sql, "
-                "or name yours with --table"
-            )
+        _outbox(conn, settings.table)
         counts = conn.execute(_query("pending_counts", settings.table)).fetchone() or {}
         if counts.get("dead_letters"):
             raise PreflightError(
