@@ -316,7 +316,9 @@ def test_sigterm_waits_for_acks_confirms_and_exits_zero(
 ) -> None:
     relay.start()
     load = Load(outbox_db, writers=2, pause=0).start()
-    time.sleep(2)
+    # A SIGTERM before the relay has started up would only end the Python process.
+    wait_slot(outbox_db, names.slot, active=True)
+    time.sleep(1)
     relay.signal(signal.SIGTERM)  # mid-stream, events in flight
     assert relay.wait(30) == 0
     written = load.stop()
