@@ -144,8 +144,10 @@ class LocalKafka(LocalService):
     (free ports unless given). The first start formats the storage; later starts, in this
     process or another opening the same ``base_dir``, keep the ports, cluster id and data.
     Internal topics have replication factor 1, new topics 3 partitions, and the broker logs to
-    ``base_dir/kafka.log``. ``properties`` override or add server properties. The jars come from
-    ``resolve_kafka_jars()`` unless ``lib_dir`` is given.
+    ``base_dir/kafka.log``. ``properties`` override or add server properties (more listeners, TLS,
+    SASL); ``format_args`` are passed to the storage format step, e.g. ``--add-scram
+    'SCRAM-SHA-512=[name=relay,password=...]'`` for the SCRAM users KRaft stores in its metadata.
+    The jars come from ``resolve_kafka_jars()`` unless ``lib_dir`` is given.
 
     With ``class_data_sharing`` the JVM maps the classes the broker loads from an archive
     (AppCDS) next to the jars, which halves the start (about 4 s to 2 s). The first broker that
@@ -163,6 +165,7 @@ class LocalKafka(LocalService):
         lib_dir: Path | str | None = None,
         heap: str = "512m",
         properties: Mapping[str, str] | None = None,
+        format_args: Sequence[str] = (),
         class_data_sharing: bool = True,
         start_timeout: float = 120.0,
         stop_timeout: float = 60.0,
@@ -179,6 +182,7 @@ class LocalKafka(LocalService):
         self._lib_dir = Path(lib_dir) if lib_dir else None
         self.heap = heap
         self.properties: dict[str, str] = dict(properties or {})
+        self.format_args: tuple[str, ...] = tuple(format_args)
         self._save_state(
             {
                 "port": self._port,
@@ -291,6 +295,7 @@ class LocalKafka(LocalService):
             self.cluster_id,
             "--config",
             str(self.base_dir / "server.properties"),
+            *self.format_args,
         )
         with self.log_path.open("ab") as log_file:
             log_file.write(b"--- devstack: formatting the storage ---\n")
