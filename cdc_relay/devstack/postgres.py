@@ -153,7 +153,10 @@ class LocalPostgres(LocalService):
     starts, in this process or another one opening the same ``base_dir``, reuse the data and
     the port. The server listens on 127.0.0.1 only, with ``wal_level`` (default ``logical``),
     replication slots and WAL senders to spare, fsync off, and logs to
-    ``base_dir/postgresql.log``. ``settings`` override or add ``-c`` settings.
+    ``base_dir/postgresql.log``. ``settings`` override or add ``-c`` settings. ``files`` are
+    written into the data directory at every start, readable by the server's user alone (as
+    PostgreSQL wants a key file): ``server.crt`` and ``server.key`` for ``ssl=on`` (relative
+    paths in settings are relative to the data directory), or a ``pg_hba.conf`` of your own.
 
     As root the server runs as the ``postgres`` user. When that user cannot reach ``base_dir``
     (pytest's temporary directories are private to root) the cluster lives in a private
@@ -169,6 +172,7 @@ class LocalPostgres(LocalService):
         port: int | None = None,
         wal_level: WalLevel = "logical",
         settings: Mapping[str, str] | None = None,
+        files: Mapping[str, bytes] | None = None,
         bindir: Path | str | None = None,
         start_timeout: float = 60.0,
         stop_timeout: float = 60.0,
@@ -184,6 +188,7 @@ class LocalPostgres(LocalService):
         if wal_level == "minimal":
             self.settings["max_wal_senders"] = "0"  # the server refuses senders without WAL
         self.settings.update(settings or {})
+        self.files: dict[str, bytes] = dict(files or {})
         self._save()
 
     def _save(self) -> None:
@@ -229,6 +234,14 @@ class LocalPostgres(LocalService):
             self._save()
         if not (self.data_dir / "PG_VERSION").is_file():
             self._initdb(account)
+        for name, content in self.files.items():
+            path = self.data_dir / name
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(content)
+            if account is not None:
+                os.chown(path, account.pw_uid, account.pw_gid)
 
     def _make_home(self, account: pwd.struct_passwd | None) -> Path:
         """The directory the server owns: data directory and Unix socket."""
