@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -54,6 +56,9 @@ def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, s
     return {**DEFAULTS, "bootstrap.servers": bootstrap, **overrides, **REQUIRED}
 
 
+# Answers that no retry will change: start-up stops at once with the broker's reason.
+_REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
+
 Acked = Callable[[Any], None]
 Refused = Callable[[Any, KafkaError], None]
 
@@ -81,6 +86,9 @@ class KafkaSink:
         self._to_dead_letter: list[tuple[Message, KafkaError, int, Any]] = []
         self.failure: DeliveryError | None = None
         self.connected = False
+        # The last error the client reported, for the message of a failed start.
+        self._last_error: KafkaError | None = None
+        self._checking = False
         try:
             self._producer = Producer(
                 {
@@ -94,15 +102,49 @@ class KafkaSink:
             raise UsageError(f"Kafka client settings: {exc.args[0].str()}") from None
 
     def check_reachable(self, timeout: float) -> None:
-        """Fail fast, with a remedy, when no broker answers."""
+        """Fail fast, with a remedy, when no broker answers, or one refuses the relay's TLS
+        settings or credentials (at once: waiting would not change its answer)."""
+        deadline = time.monotonic() + timeout
+        self._checking = True
+        _KAFKA_LOG.addFilter(_connection_failures)
         try:
-            self._producer.list_topics(timeout=timeout)
-        except KafkaException:
-            raise KafkaUnavailableError(
-                f"no Kafka broker answered at {self._config['bootstrap.servers']} within "
-                f"{timeout:g}s; check --kafka-bootstrap and that the broker is running"
-            ) from None
+            while True:
+                try:
+                    self._producer.list_topics(timeout=min(1.0, deadline - time.monotonic()))
+                    break
+                except KafkaException:
+                    self._producer.poll(0.1)  # serves the error callbacks
+                    refused = self._last_error is not None and self._last_error.code() in _REFUSALS
+                    if refused or time.monotonic() >= deadline - 0.01:
+                        raise KafkaUnavailableError(self._unreachable(timeout)) from None
+        finally:
+            self._checking = False
+            _KAFKA_LOG.removeFilter(_connection_failures)
         self.connected = True
+
+    def _unreachable(self, timeout: float) -> str:
+        where = self._config["bootstrap.servers"]
+        err = self._last_error
+        # librdkafka's text without the broker's name before it and the timing after it
+        reason = re.sub(r"^\S+/\S+: | \(after \d+ms in state \w+\)$", "", err.str()) if err else ""
+        if err is not None and err.code() == KafkaError._AUTHENTICATION:
+            return (
+                f"Kafka at {where} refused the relay's credentials: {reason}; check "
+                "sasl.mechanisms, sasl.username and the password (CDC_RELAY_KAFKA_SASL_PASSWORD, "
+                "or sasl.password in --kafka-config-file)"
+            )
+        if err is not None and err.code() == KafkaError._SSL:
+            return (
+                f"TLS with Kafka at {where} failed: {reason}; ssl.ca.location must name the CA "
+                "that signed the broker's certificate, and that certificate the broker's host"
+            )
+        protocol = self._config.get("security.protocol", "plaintext").upper()
+        return (
+            f"no Kafka broker answered at {where} within {timeout:g}s"
+            + (f" ({reason})" if reason else "")
+            + f"; check --kafka-bootstrap, that the broker is running, and that "
+            f"security.protocol={protocol} is what its listener there speaks"
+        )
 
     def offer(self, message: Message, token: Any) -> bool:
         """Hand a message to the producer; False when its queue is full (poll, then retry)."""
@@ -225,13 +267,23 @@ class KafkaSink:
         self.connected = any(b.get("state") == "UP" and b.get("nodeid", -1) >= 0 for b in brokers)
 
     def _on_error(self, err: KafkaError) -> None:
+        # While start-up checks the broker, errors go into its exception, not into the log.
         if err.code() == KafkaError._ALL_BROKERS_DOWN:
             self.connected = False
-            log.warning("kafka unreachable, retrying", extra={"action": "kafka_down"})
+            if not self._checking:
+                log.warning("kafka unreachable, retrying", extra={"action": "kafka_down"})
         elif err.fatal():
             self.failure = DeliveryError(f"Kafka producer failed: {err.str()}")
         else:
-            log.warning("kafka: %s", err.str(), extra={"action": "kafka_error"})
+            self._last_error = err
+            if not self._checking:
+                log.warning("kafka: %s", err.str(), extra={"action": "kafka_error"})
+
+
+def _connection_failures(record: logging.LogRecord) -> bool:
+    """False for librdkafka's lines about a failed connection (facility FAIL), kept out of the
+    log while start-up checks the broker: the check's error tells the reason once."""
+    return not (isinstance(record.args, tuple) and record.args[:1] == ("FAIL",))
 
 
 def _header(message: Message, name: str) -> str:
