@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from cdc_relay.errors import UsageError
@@ -13,14 +14,21 @@ DEFAULT_SLOT = "cdc_relay"
 DEFAULT_PUBLICATION = "cdc_relay_outbox"
 DEFAULT_TABLE = "public.outbox_events"
 
+# The Kafka counterpart of PGPASSWORD: a secret has no command-line flag, so that it never
+# shows in a process list or a shell history.
+SASL_PASSWORD_ENV = ENV_PREFIX + "KAFKA_SASL_PASSWORD"
+
 
 def env(option: str) -> str:
     """The environment variable of an option: ``--kafka-bootstrap`` -> CDC_RELAY_KAFKA_BOOTSTRAP."""
     return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
 
 
-def kafka_settings(pairs: Iterable[str], properties_file: Path | None) -> dict[str, str]:
-    """Kafka client settings from a properties file, then ``key=value`` pairs over it."""
+def kafka_settings(
+    pairs: Iterable[str], properties_file: Path | None, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """Kafka client settings from a properties file, then CDC_RELAY_KAFKA_SASL_PASSWORD as
+    ``sasl.password``, then ``key=value`` pairs over them."""
     settings: dict[str, str] = {}
     if properties_file is not None:
         for number, raw in enumerate(properties_file.read_text().splitlines(), 1):
@@ -28,6 +36,8 @@ def kafka_settings(pairs: Iterable[str], properties_file: Path | None) -> dict[s
             if not line or line.startswith(("#", "!")):
                 continue
             settings.update([_pair(line, f"{properties_file}:{number}")])
+    if environ.get(SASL_PASSWORD_ENV):
+        settings["sasl.password"] = environ[SASL_PASSWORD_ENV]
     for pair in pairs:
         settings.update([_pair(pair, "--kafka-config")])
     return settings

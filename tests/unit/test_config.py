@@ -40,3 +40,15 @@ def test_producer_config_keeps_the_guarantees() -> None:
         producer_config("k:9092", {"acks": "1"})
     with pytest.raises(UsageError, match=r"enable\.idempotence"):
         producer_config("k:9092", {"enable.idempotence": "false"})
+
+
+def test_kafka_sasl_password_from_the_environment(tmp_path: Path) -> None:
+    props = tmp_path / "client.properties"
+    props.write_text("sasl.username=relay\nsasl.password=from-file\n")
+    environ = {"CDC_RELAY_KAFKA_SASL_PASSWORD": "from-env"}
+    assert kafka_settings([], props, environ)["sasl.password"] == "from-env"
+    assert kafka_settings(["sasl.password=from-flag"], props, environ)["sasl.password"] == (
+        "from-flag"
+    )
+    assert kafka_settings([], props, {})["sasl.password"] == "from-file"
+    assert "sasl.password" not in kafka_settings([], None, {"CDC_RELAY_KAFKA_SASL_PASSWORD": ""})
