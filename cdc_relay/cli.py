@@ -18,6 +18,7 @@ from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
     DEFAULT_TABLE,
+    checked_dsn,
     env,
     kafka_settings,
 )
@@ -45,9 +46,14 @@ def _option(name: str, *more: str, **kwargs: Any) -> Callable[[F], F]:
     return click.option(name, *more, envvar=env(name), show_envvar=True, **kwargs)
 
 
+def _dsn(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    return checked_dsn(value)
+
+
 _DSN = _option(
     "--dsn",
     required=True,
+    callback=_dsn,
     help="libpq connection string or URI of the database with the outbox. Give "
     "the password through PGPASSWORD or a .pgpass file, not here.",
 )

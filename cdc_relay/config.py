@@ -6,6 +6,9 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from psycopg import ProgrammingError
+from psycopg.conninfo import conninfo_to_dict
+
 from cdc_relay.errors import UsageError
 
 ENV_PREFIX = "CDC_RELAY_"
@@ -48,3 +51,17 @@ def _pair(text: str, where: str) -> tuple[str, str]:
     if not sep or not key.strip():
         raise UsageError(f"{where}: {text!r} is not key=value, e.g. compression.type=zstd")
     return key.strip(), value.strip()
+
+
+def checked_dsn(dsn: str) -> str:
+    """``dsn`` if libpq can parse it; otherwise a UsageError that does not repeat libpq's
+    message, which may quote the password (a URI whole, a key=value string in part)."""
+    try:
+        conninfo_to_dict(dsn)
+    except ProgrammingError:
+        raise UsageError(
+            "--dsn is neither a libpq connection string (key=value pairs, values with spaces "
+            "in single quotes) nor a URI (postgresql://...); libpq's own message is not shown "
+            "because it may contain the password"
+        ) from None
+    return dsn

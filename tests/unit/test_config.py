@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_relay.config import env, kafka_settings
+from cdc_relay.config import checked_dsn, env, kafka_settings
 from cdc_relay.errors import UsageError
 from cdc_relay.lsn import format_lsn, parse
 from cdc_relay.sink import producer_config
@@ -52,3 +52,15 @@ def test_kafka_sasl_password_from_the_environment(tmp_path: Path) -> None:
     )
     assert kafka_settings([], props, {})["sasl.password"] == "from-file"
     assert "sasl.password" not in kafka_settings([], None, {"CDC_RELAY_KAFKA_SASL_PASSWORD": ""})
+
+
+@pytest.mark.parametrize(
+    "dsn", ["postgresql://relay:pw-s3cret@[::1/shop", "host=db password=pw s3cret user=relay"]
+)
+def test_a_dsn_libpq_cannot_parse_is_refused_without_repeating_it(dsn: str) -> None:
+    with pytest.raises(UsageError, match="--dsn is neither") as refused:
+        checked_dsn(dsn)
+    assert "s3cret" not in str(refused.value)
+    assert checked_dsn("host=db user=relay password='pw s3cret'") == (
+        "host=db user=relay password='pw s3cret'"
+    )
