@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, TopicPartition
 
 from cdc_relay import pgoutput
 from cdc_relay.events import Insert
@@ -29,7 +29,8 @@ from cdc_relay.slot import SlotSpec, setup
 
 class RelayProcess:
     """``cdc-relay stream`` (or another ``command``, such as ``poll``) as a child process,
-    configured through CDC_RELAY_* variables."""
+    configured through CDC_RELAY_* variables, in the working directory ``cwd`` (ours if None;
+    it may change between runs)."""
 
     def __init__(
         self, log_dir: Path, env: dict[str, str], name: str = "relay", command: str = "stream"
@@ -38,6 +39,7 @@ class RelayProcess:
         self.env = env
         self.name = name
         self.command = command
+        self.cwd: Path | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.runs = 0
 
@@ -51,6 +53,7 @@ class RelayProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cdc_relay", self.command],
             env={**os.environ, **self.env},
+            cwd=self.cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
         )
@@ -182,43 +185,91 @@ def _lsn(text: str) -> int:
     return (int(high, 16) << 32) | int(low, 16)
 
 
-class Writer:
-    """Writes outbox events in transactions, like an application, and records what committed."""
+Events = Sequence[tuple[str, str, dict[str, Any]]]
 
-    def __init__(self, dsn: str, name: str = "w") -> None:
+
+class Writer:
+    """Writes outbox events in transactions, like an application, and records what committed.
+
+    With ``reconnect``, a lost connection (the server restarting, the network failing) is
+    retried until the server is back, and a transaction whose COMMIT went unanswered is looked
+    up: recorded if it committed, written again if not. What is recorded is what committed.
+    """
+
+    def __init__(self, dsn: str, name: str = "w", reconnect: bool = False) -> None:
         self.dsn = dsn
         self.name = name
+        self.reconnect = reconnect
         self.written: list[Written] = []
         self._conn = psycopg.connect(dsn)
 
-    def transaction(
-        self,
-        events: Sequence[tuple[str, str, dict[str, Any]]],
-        delete_after: bool = False,
-    ) -> list[Written]:
+    def transaction(self, events: Events, delete_after: bool = False) -> list[Written]:
         """One transaction of (aggregate_type, aggregate_id, payload) events."""
+        ids = [str(uuid.uuid4()) for _ in events]
+        unsure = False  # whether a failed attempt may have committed
+        while True:
+            try:
+                if unsure and (stored := self._stored(ids)):
+                    return self._record(events, ids, stored, self._wal_lsn())
+                return self._transaction(events, ids, delete_after)
+            except psycopg.OperationalError:
+                if not self.reconnect or delete_after:  # deleted rows cannot be looked up
+                    raise
+                unsure = True
+                self._reconnect()
+
+    def _transaction(self, events: Events, ids: list[str], delete_after: bool) -> list[Written]:
         conn = self._conn
-        ids = []
         with conn.transaction():
-            for aggregate_type, aggregate_id, payload in events:
-                event_id = write_event(
+            for event_id, (aggregate_type, aggregate_id, payload) in zip(ids, events, strict=True):
+                write_event(
                     conn,
                     aggregate_type=aggregate_type,
                     aggregate_id=aggregate_id,
                     event_type=f"{aggregate_type}.changed",
                     payload=payload,
+                    event_id=uuid.UUID(event_id),
                 )
-                ids.append(str(event_id))
             rows = conn.execute(
                 "SELECT id::text, payload::text FROM outbox_events WHERE id = ANY(%s::uuid[])",
                 (ids,),
             ).fetchall()
             if delete_after:
                 conn.execute("DELETE FROM outbox_events WHERE id = ANY(%s::uuid[])", (ids,))
-        after = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
-        conn.commit()
-        assert after is not None
-        stored = dict(rows)
+        after = self._wal_lsn()
+        return self._record(events, ids, dict(rows), after)
+
+    def _wal_lsn(self) -> str:
+        """The server's WAL position now: past the end of every commit it acknowledged."""
+        row = self._conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+        self._conn.commit()
+        assert row is not None
+        return str(row[0])
+
+    def _stored(self, ids: list[str]) -> dict[str, str]:
+        """The payloads of the events of ``ids`` that are in the table (all or none)."""
+        rows = self._conn.execute(
+            "SELECT id::text, payload::text FROM outbox_events WHERE id = ANY(%s::uuid[])", (ids,)
+        ).fetchall()
+        self._conn.commit()
+        return dict(rows)
+
+    def _reconnect(self, timeout: float = 120) -> None:
+        self._conn.close()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._conn = psycopg.connect(self.dsn, connect_timeout=2)
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+            else:
+                return
+
+    def _record(
+        self, events: Events, ids: list[str], stored: dict[str, str], after: str
+    ) -> list[Written]:
         now = time.monotonic()
         batch = [
             Written(
@@ -227,7 +278,7 @@ class Writer:
                 aggregate_id=a_id,
                 event_type=f"{a_type}.changed",
                 payload=stored[i].encode(),
-                after_commit_lsn=_lsn(after[0]),
+                after_commit_lsn=_lsn(after),
                 committed_at=now,
             )
             for i, (a_type, a_id, _) in zip(ids, events, strict=True)
@@ -241,11 +292,13 @@ class Writer:
 
 @dataclass
 class Load:
-    """Writers in threads, each owning its aggregates, until stopped."""
+    """Writers in threads, each owning its aggregates, until stopped; with ``reconnect`` they
+    ride out a lost connection (see ``Writer``)."""
 
     dsn: str
     writers: int = 3
     pause: float = 0.002
+    reconnect: bool = False
     written: list[Written] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -259,7 +312,7 @@ class Load:
         return self
 
     def _run(self, n: int) -> None:
-        writer = Writer(self.dsn, name=f"w{n}")
+        writer = Writer(self.dsn, name=f"w{n}", reconnect=self.reconnect)
         i = 0
         try:
             while not self._stop.is_set():
@@ -295,6 +348,7 @@ class Received:
     key: bytes | None
     value: bytes | None
     headers: tuple[tuple[str, bytes], ...]
+    timestamp: float | None = None  # the message's timestamp, seconds since the epoch
 
     @property
     def id(self) -> str:
@@ -353,6 +407,7 @@ def consume(
                 key=msg.key(),
                 value=msg.value(),
                 headers=tuple(msg.headers() or ()),
+                timestamp=_seconds(msg.timestamp()),
             )
             received.append(item)
             ids.add(item.id)
@@ -361,6 +416,11 @@ def consume(
     finally:
         consumer.close()
     return received
+
+
+def _seconds(timestamp: tuple[int, int]) -> float | None:
+    kind, milliseconds = timestamp
+    return None if kind == TIMESTAMP_NOT_AVAILABLE else milliseconds / 1000
 
 
 def partitions_of(bootstrap: str, topic: str) -> list[TopicPartition]:
