@@ -246,16 +246,28 @@ def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
         return str(value)
 
     payload = envelope.get("payload", None)
+    try:
+        payload_bytes = None if payload is None else jsonb_text(payload).encode()
+    except UnicodeEncodeError:  # a lone surrogate escape: not text PostgreSQL would store
+        raise SchemaError(
+            f"logical outbox message at {message.lsn:X} has a payload that is not valid "
+            "Unicode; write it with outbox_emit() (sql/outbox.sql)"
+        ) from None
     return OutboxEvent(
         id=str(text("id")),
         aggregate_type=str(text("aggregate_type")),
         aggregate_id=text("aggregate_id", required=False),
         event_type=str(text("event_type")),
-        payload=None if payload is None else jsonb_text(payload).encode(),
+        payload=payload_bytes,
         commit_lsn=begin.final_lsn if begin else message.lsn,
         xid=begin.xid if begin else 0,
         commit_time_us=begin.commit_time_us if begin else 0,
     )
+
+
+def _key_order(key: str) -> tuple[int, bytes]:
+    raw = key.encode(errors="surrogatepass")
+    return len(raw), raw
 
 
 class _Number(str):
@@ -282,7 +294,7 @@ def jsonb_text(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(jsonb_text(v) for v in value) + "]"
     if isinstance(value, dict):
-        keys = sorted(value, key=lambda k: (len(k.encode()), k.encode()))
+        keys = sorted(value, key=_key_order)
         return "{" + ", ".join(f"{_json_string(k)}: {jsonb_text(value[k])}" for k in keys) + "}"
     raise SchemaError(f"unexpected JSON value {value!r}")
 

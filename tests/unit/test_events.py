@@ -100,3 +100,12 @@ def test_envelope_event_matches_a_table_row_byte_for_byte() -> None:
 )
 def test_jsonb_text_writes_like_postgresql(value: object, text: str) -> None:
     assert jsonb_text(value) == text
+
+
+def test_envelope_with_a_lone_surrogate_is_a_schema_error_not_a_crash() -> None:
+    content = (
+        b'{"id": "1", "aggregate_type": "a", "aggregate_id": "b", "event_type": "e", '
+        b'"payload": {"\\ud800": 1}}'
+    )
+    with pytest.raises(SchemaError, match="not valid Unicode"):
+        envelope_event(LogicalMessage(True, 1, "outbox", content), BEGIN)
