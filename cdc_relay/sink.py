@@ -255,7 +255,7 @@ class KafkaSink:
             _refused(refused, err, self._relay)  # logged and counted
             self._on_refused(token, err)
         elif self._dead_letter_topic is not None:
-            self._to_dead_letter.append((refused, err, msg.len() or 0, token))
+            self._to_dead_letter.append((refused, err, len(msg), token))
         elif self.failure is None:
             self.failure = _refused(refused, err, self._relay)
 
