@@ -34,6 +34,13 @@ test-deploy: install
 test: check
 	$(PY) -m pytest tests
 
+# The fault-injection suite's long version (the short one runs in `make test`): 20 kills of
+# each relay, 30 s outages of the broker and of the network. It prints a table of results at
+# the end and writes it to $CDC_RELAY_FAULT_RESULTS (default: pytest's temporary directory).
+.PHONY: chaos
+chaos: install
+	CDC_RELAY_CHAOS=1 $(PY) -m pytest tests/integration/test_faults.py
+
 # Coverage-guided fuzzing of the pgoutput and wal2json decoders, FUZZ_SECONDS shared between
 # them; not part of `make test` (tests/fuzz/README.md).
 FUZZ_SECONDS ?= 600
