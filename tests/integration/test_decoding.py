@@ -371,6 +371,7 @@ def _scrape(port: int) -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # a million events; the default 300 s is for ordinary tests
 def test_a_million_event_transaction_streams_in_bounded_memory(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
