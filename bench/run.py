@@ -101,22 +101,13 @@ def _profile(services: Services, args: argparse.Namespace, out: Path) -> dict[st
     if not session.is_file():
         return {"status": "failed", "reason": "pyinstrument wrote no session", "events": events}
     stats_path = services.workdir / "stream.pstats"
-    for renderer, target in (("text", out / "profile.txt"), ("pstats", stats_path)):
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pyinstrument",
-                f"--load={session}",
-                "-r",
-                renderer,
-                "-o",
-                str(target),
-                "--show-all",
-            ]
-            + (["--no-color"] if renderer == "text" else []),
-            check=True,
-        )
+    # The tree for people, with library internals folded; every frame for the ranking.
+    for options in (
+        ["-r", "text", "--no-color", "-o", str(out / "profile.txt")],
+        ["-r", "pstats", "--show-all", "-o", str(stats_path)],
+    ):
+        load = [sys.executable, "-m", "pyinstrument", f"--load={session}"]
+        subprocess.run(load + options, check=True)
     stats = pstats.Stats(str(stats_path))
     entries = stats.stats  # type: ignore[attr-defined]
     total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
