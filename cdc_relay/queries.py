@@ -12,8 +12,8 @@ from importlib.resources import files
 _HEADER = re.compile(r"^-- (\w+) --$", re.MULTILINE)
 
 
-def _load() -> dict[str, str]:
-    text = files("cdc_relay").joinpath("sql/queries.sql").read_text()
+def parse(text: str) -> dict[str, str]:
+    """Named queries from the text of a ``.sql`` file laid out as above."""
     parts = _HEADER.split(text)
     queries = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
@@ -22,4 +22,4 @@ def _load() -> dict[str, str]:
     return queries
 
 
-QUERIES = _load()
+QUERIES = parse(files("cdc_relay").joinpath("sql/queries.sql").read_text())
