@@ -21,6 +21,7 @@ from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Topic
 
 from cdc_relay import pgoutput
 from cdc_relay.events import Insert
+from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.outbox import write_event
 from cdc_relay.slot import SlotSpec, setup
 
@@ -180,11 +181,6 @@ class Written:
     committed_at: float  # time.monotonic()
 
 
-def _lsn(text: str) -> int:
-    high, low = text.split("/")
-    return (int(high, 16) << 32) | int(low, 16)
-
-
 Events = Sequence[tuple[str, str, dict[str, Any]]]
 
 
@@ -278,7 +274,7 @@ class Writer:
                 aggregate_id=a_id,
                 event_type=f"{a_type}.changed",
                 payload=stored[i].encode(),
-                after_commit_lsn=_lsn(after),
+                after_commit_lsn=parse_lsn(after),
                 committed_at=now,
             )
             for i, (a_type, a_id, _) in zip(ids, events, strict=True)

@@ -26,6 +26,8 @@ from relaytools import (
     wait_until,
 )
 
+from cdc_relay.lsn import parse as parse_lsn
+
 pytestmark = pytest.mark.integration
 
 
@@ -148,7 +150,7 @@ def test_sigkill_mid_stream_loses_nothing_and_duplicates_only_what_was_in_flight
     verdict = check(written, received, names.topic_prefix)
     # In flight at a kill: committed before it, not confirmed by the slot at that moment.
     in_flight = sum(
-        sum(1 for w in written if w.committed_at < at and w.after_commit_lsn > _lsn(confirmed))
+        sum(1 for w in written if w.committed_at < at and w.after_commit_lsn > parse_lsn(confirmed))
         for at, confirmed in kills
     )
     print(f"kills={len(kills)} {verdict} in_flight_bound={in_flight}")
@@ -157,11 +159,6 @@ def test_sigkill_mid_stream_loses_nothing_and_duplicates_only_what_was_in_flight
     assert verdict.mismatched == []
     assert verdict.duplicates <= in_flight
     assert relay.stop() == 0
-
-
-def _lsn(text: str) -> int:
-    high, low = text.split("/")
-    return (int(high, 16) << 32) | int(low, 16)
 
 
 def test_idle_outbox_beside_a_busy_table_does_not_pin_wal(
