@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -11,6 +12,10 @@ from cdc_relay.lsn import Lsn
 
 # Microseconds between the Unix epoch and PostgreSQL's (2000-01-01 UTC).
 PG_EPOCH_OFFSET_US = 946_684_800_000_000
+
+BYTEA_OID = 17
+"""pg_type OID of bytea: both plugins send its text form, which the relay turns back into
+the stored bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +159,7 @@ class RowMapper:
     event_type: int
     payload: int
     headers: tuple[tuple[str, int], ...]
+    payload_is_bytea: bool = False
 
     @classmethod
     def for_relation(cls, relation: Relation, layout: OutboxLayout | None = None) -> RowMapper:
@@ -178,6 +184,7 @@ class RowMapper:
             event_type=positions[layout.event_type],
             payload=positions[layout.payload],
             headers=headers,
+            payload_is_bytea=relation.columns[positions[layout.payload]].type_oid == BYTEA_OID,
         )
 
     def event(self, row: Insert, begin: Begin) -> OutboxEvent:
@@ -190,7 +197,7 @@ class RowMapper:
             aggregate_type=_text(values[self.aggregate_type], "aggregate_type", event_id),
             aggregate_id=_optional_text(values[self.aggregate_id], "aggregate_id"),
             event_type=_text(values[self.event_type], "event_type", event_id),
-            payload=_payload(values[self.payload]),
+            payload=_payload(values[self.payload], self.payload_is_bytea),
             commit_lsn=begin.final_lsn,
             xid=begin.xid,
             commit_time_us=begin.commit_time_us,
@@ -213,11 +220,29 @@ def _optional_text(value: Value, column: str) -> str | None:
     return None if value is None else _text(value, column)
 
 
-def _payload(value: Value) -> bytes | None:
+def _payload(value: Value, bytea: bool = False) -> bytes | None:
     if isinstance(value, _Unchanged):
         # An INSERT always carries every value; UNCHANGED here means a plugin bug.
         raise SchemaError("the payload of a new outbox row arrived without its value")
+    if bytea and value is not None:
+        return bytea_from_text(value)
     return value
+
+
+_BYTEA_ESCAPE = re.compile(rb"\\\\|\\[0-3][0-7]{2}")
+
+
+def bytea_from_text(text: bytes) -> bytes:
+    """The bytes of a bytea value from its text form, as the plugins send it: hex
+    (``\\x0a0b``, the default) or escape (``bytea_output = escape``)."""
+    if text.startswith(b"\\x"):
+        try:
+            return bytes.fromhex(text[2:].decode("ascii"))
+        except ValueError:
+            raise SchemaError("a bytea payload arrived in a malformed hex form") from None
+    return _BYTEA_ESCAPE.sub(
+        lambda m: b"\\" if m[0] == b"\\\\" else bytes([int(m[0][1:], 8)]), text
+    )
 
 
 def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:

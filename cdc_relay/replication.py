@@ -102,8 +102,16 @@ class ReplicationConnection:
         snapshot = result.get_value(0, columns[b"snapshot_name"]) or b""
         return parse(consistent_point.decode()), snapshot.decode()
 
+    def _command(self, sql: str) -> None:
+        result = self._conn.exec_(sql.encode())
+        if result.status != pq.ExecStatus.COMMAND_OK:
+            raise ConnectionLost(f"{sql} failed: {_error_text(self._conn)}")
+
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         """Send START_REPLICATION; the server streams from max(start_lsn, confirmed LSN)."""
+        # The plugins print bytea in the walsender's bytea_output: hex is the one form that
+        # reads back unambiguously (wal2json prints it without the \x, escape would look alike).
+        self._command("SET bytea_output = 'hex'")
         opts = ", ".join(f"{_quote_ident(k)} {_quote_literal(v)}" for k, v in options.items())
         command = f"START_REPLICATION SLOT {_quote_ident(slot)} LOGICAL {format_lsn(start_lsn)}" + (
             f" ({opts})" if opts else ""

@@ -15,6 +15,7 @@ from typing import Any
 
 from cdc_relay.errors import DecodeError, UsageError
 from cdc_relay.events import (
+    BYTEA_OID,
     Begin,
     Column,
     Commit,
@@ -163,8 +164,12 @@ class Wal2JsonDecoder:
             if not isinstance(column, dict) or not isinstance(column.get("name"), str):
                 raise DecodeError("wal2json column without a name")
             names.append(column["name"])
-            oids.append(_digits(column.get("typeoid")) or 0)
-            values.append(_value(column.get("value")))
+            oid = _digits(column.get("typeoid")) or 0
+            oids.append(oid)
+            value = _value(column.get("value"))
+            if oid == BYTEA_OID and isinstance(value, bytes):
+                value = b"\\x" + value  # wal2json drops the \x of hex output: pgoutput's form
+            values.append(value)
         key = (schema, table, tuple(names), tuple(oids))
         relation = self._relations.get(key)
         records: list[Record] = []
