@@ -17,26 +17,42 @@ from typing import Any, cast
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
-from cdc_relay.lsn import format_lsn
-from cdc_relay.metrics import EVENTS_FAILED
 from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
 # librdkafka's own lines, through our handlers instead of raw stderr
 _KAFKA_LOG = logging.getLogger("cdc_relay.kafka")
 
-# Settings the relay's guarantees rest on; a user may not weaken them.
-REQUIRED = {"enable.idempotence": "true", "acks": "all"}
+# Settings the relay's guarantees rest on; a user may not weaken them (value: the accepted
+# spellings, the first one is set).
+REQUIRED = {
+    "enable.idempotence": ("true",),
+    "acks": ("all", "-1"),
+    # A batch Kafka refuses stops the producer instead of letting later batches of the same
+    # partition through: a refused event is never overtaken by a later one of its key.
+    "enable.gapless.guarantee": ("true",),
+    # Java clients' partitioner: a key lands where Debezium and Java producers put it.
+    "partitioner": ("murmur2_random",),
+    # Retriable failures (broker down) are retried until the broker is back: the relay waits,
+    # it does not give up on an event, which could then be overtaken by a later one.
+    "message.timeout.ms": ("0",),
+}
+_ALIASES = {"request.required.acks": "acks", "delivery.timeout.ms": "message.timeout.ms"}
+_REMEDIES = {
+    "partitioner": "another partitioner puts a key elsewhere than Java clients and Debezium do",
+    "message.timeout.ms": "a timeout lets the producer give up on an event while the broker is "
+    "away, and a later event of its key can overtake it; the relay waits for the broker and "
+    "says so in its readiness",
+}
+# Settings that belong to modes the relay does not run in.
+FORBIDDEN = {
+    "transactional.id": "exactly-once delivery is not available yet; remove transactional.id",
+}
 
 DEFAULTS = {
     "client.id": "cdc-relay",
     "compression.type": "lz4",
     "linger.ms": "10",
-    # Java clients' partitioner: a key lands where Debezium and Java producers put it.
-    "partitioner": "murmur2_random",
-    # Retriable failures (broker down) are retried until the broker is back: the relay waits,
-    # it does not drop or crash. Permanent refusals still come back at once.
-    "message.timeout.ms": "0",
     "queue.buffering.max.messages": "100000",
     "queue.buffering.max.kbytes": "131072",
     # Statistics tell whether a broker connection is up (readiness, cdc_relay_connected).
@@ -46,14 +62,21 @@ DEFAULTS = {
 
 def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, str]:
     """The producer configuration: our defaults, the user's settings, then the guarantees."""
-    for key, required in REQUIRED.items():
-        given = overrides.get(key)
-        if given is not None and given.lower() not in (required, "-1"):
+    settings: dict[str, str] = {}
+    for key, value in overrides.items():
+        name = _ALIASES.get(key, key)
+        if name in FORBIDDEN:
+            raise UsageError(f"--kafka-config {key}: {FORBIDDEN[name]}")
+        accepted = REQUIRED.get(name)
+        if accepted is not None and value.strip().lower() not in accepted:
+            why = _REMEDIES.get(name, "it would let events be lost or reordered")
             raise UsageError(
-                f"--kafka-config {key}={given} would let events be lost or reordered; "
-                f"cdc-relay needs {key}={required}: remove the setting"
+                f"--kafka-config {key}={value.strip()}: {why}; cdc-relay needs "
+                f"{name}={accepted[0]}: remove the setting"
             )
-    return {**DEFAULTS, "bootstrap.servers": bootstrap, **overrides, **REQUIRED}
+        settings[name if accepted is not None else key] = value
+    required = {key: accepted[0] for key, accepted in REQUIRED.items()}
+    return {**DEFAULTS, "bootstrap.servers": bootstrap, **settings, **required}
 
 
 # Answers that no retry will change: start-up stops at once with the broker's reason.
@@ -64,33 +87,35 @@ Refused = Callable[[Any, KafkaError], None]
 
 
 class KafkaSink:
-    """Produces routed messages and reports each acknowledgement with the caller's token."""
+    """Produces routed messages and reports each with the caller's token: ``on_ack`` when
+    Kafka acknowledged it, ``on_refused`` when it did not (at once, from ``offer``, when the
+    client refuses the message itself; later, from ``poll``, when the broker refused it or
+    the batch it was in).
+
+    What a refusal means is the caller's to decide (cdc_relay.refusals). After a refused
+    batch the producer stops (the gapless guarantee) and fails what it still holds; the next
+    ``offer`` once nothing is outstanding starts a new producer.
+    """
 
     def __init__(
-        self,
-        config: Mapping[str, str],
-        on_ack: Acked,
-        relay: str = "stream",
-        dead_letter_topic: str | None = None,
-        on_refused: Refused | None = None,
+        self, config: Mapping[str, str], on_ack: Acked, on_refused: Refused, relay: str = "stream"
     ) -> None:
         self._config = dict(config)
         self._relay = relay
         self._on_ack = on_ack
-        # The poller's way: each refused event is reported with its token and the sink goes
-        # on (the poller retries the row later). Without it, a refusal stops the relay.
         self._on_refused = on_refused
-        self._dead_letter_topic = dead_letter_topic
-        # Refused messages waiting to go to the dead-letter topic (produced from poll, not
-        # from inside a delivery report, where the queue may be full).
-        self._to_dead_letter: list[tuple[Message, KafkaError, int, Any]] = []
         self.failure: DeliveryError | None = None
         self.connected = False
+        # The producer stopped after a refused batch: a new one takes over once it is empty.
+        self.broken = False
         # The last error the client reported, for the message of a failed start.
         self._last_error: KafkaError | None = None
         self._checking = False
+        self._producer = self._new_producer()
+
+    def _new_producer(self) -> Producer:
         try:
-            self._producer = Producer(
+            return Producer(
                 {
                     **self._config,
                     "error_cb": self._on_error,
@@ -100,6 +125,14 @@ class KafkaSink:
             )
         except KafkaException as exc:
             raise UsageError(f"Kafka client settings: {exc.args[0].str()}") from None
+
+    def renew(self) -> None:
+        """Drop what the producer holds (each gets its refusal report) and start a new one."""
+        old = self._producer
+        old.purge()
+        old.flush(0)  # serves the purged messages' reports
+        self._producer = self._new_producer()
+        self.broken = False
 
     def check_reachable(self, timeout: float) -> None:
         """Fail fast, with a remedy, when no broker answers, or one refuses the relay's TLS
@@ -147,25 +180,19 @@ class KafkaSink:
         )
 
     def offer(self, message: Message, token: Any) -> bool:
-        """Hand a message to the producer; False when its queue is full (poll, then retry)."""
+        """Hand a message to the producer; False when its queue is full (poll, then retry).
+
+        A message the client refuses (larger than message.max.bytes, ...) is reported to
+        ``on_refused`` before this returns True.
+        """
+        if self.broken and not len(self._producer):
+            self.renew()
         try:
-            self._produce(
-                message,
-                # The headers name the event if Kafka refuses it: delivery reports lack them.
-                functools.partial(self._delivered, token, message.headers, message.lsn),
-            )
+            self._produce(message, functools.partial(self._delivered, token))
         except BufferError:
             return False
         except KafkaException as exc:
-            if self._on_refused is not None:
-                _refused(message, exc.args[0], self._relay)  # logged and counted
-                self._on_refused(token, exc.args[0])
-            elif self._dead_letter_topic is None:
-                raise _refused(message, exc.args[0], self._relay) from None
-            else:
-                self._to_dead_letter.append(
-                    (message, exc.args[0], len(message.value or b""), token)
-                )
+            self._on_refused(token, exc.args[0])
         return True
 
     def _produce(self, message: Message, on_delivery: Callable[..., None]) -> None:
@@ -178,54 +205,33 @@ class KafkaSink:
         )
 
     def poll(self, timeout: float = 0) -> None:
-        """Serve delivery reports (calls ``on_ack``); raise if Kafka refused an event."""
-        self._producer.poll(timeout)
-        if self._to_dead_letter:
-            self._send_dead_letters()
+        """Serve delivery reports; raise DeliveryError if the producer failed for good."""
+        try:
+            self._producer.poll(timeout)
+        except KafkaException as exc:
+            self._on_fatal(exc.args[0])
         if self.failure is not None:
             raise self.failure
 
-    def _send_dead_letters(self) -> None:
-        """Refused events go to the dead-letter topic: same key and headers, no value, the
-        error in headers. Their acknowledgement stands for the refused event's."""
-        while self._to_dead_letter:
-            message, err, size, token = self._to_dead_letter[0]
-            letter = Message(
-                topic=str(self._dead_letter_topic),
-                key=message.key,
-                value=None,
-                headers=[
-                    *message.headers,
-                    ("error", err.str().encode()),
-                    ("error_code", str(err.name()).encode()),
-                    ("original_topic", message.topic.encode()),
-                    ("payload_bytes", str(size).encode()),
-                ],
-                lsn=message.lsn,
-            )
-            try:
-                self._produce(letter, functools.partial(self._dead_lettered, token, letter))
-            except BufferError:
-                return  # the next poll tries again
-            except KafkaException as exc:
-                self.failure = _refused(letter, exc.args[0], self._relay)
-                return
-            self._to_dead_letter.pop(0)
-            _log_event(log.warning, "event sent to the dead-letter topic", message, err)
-            EVENTS_FAILED.labels(relay=self._relay, event_type=_header(message, "event_type")).inc()
-
-    def _dead_lettered(self, token: Any, letter: Message, err: KafkaError | None, _: Any) -> None:
-        if err is None:
-            self._on_ack(token)
+    def _on_fatal(self, err: KafkaError) -> None:
+        if err.code() == KafkaError._GAPLESS_GUARANTEE:
+            # A refused batch; its messages' reports follow, each with the broker's answer.
+            self.broken = True
         elif self.failure is None:
-            self.failure = _refused(letter, err, self._relay)
+            self.failure = DeliveryError(
+                f"Kafka producer failed: {err.str()}; fix the cause and restart the relay: it "
+                "resumes after the last event Kafka acknowledged"
+            )
 
     def settle(self, timeout: float) -> None:
         """Serve delivery reports for up to ``timeout`` seconds, or until none is outstanding.
 
         Does not raise for a refused event: when stopping, the acks of the others still count.
         """
-        self._producer.flush(timeout)
+        try:
+            self._producer.flush(timeout)
+        except KafkaException as exc:
+            self._on_fatal(exc.args[0])
 
     def in_flight(self) -> int:
         """Messages handed to the producer and not yet reported."""
@@ -238,26 +244,12 @@ class KafkaSink:
         self._producer.flush(0)
         return left
 
-    def _delivered(
-        self,
-        token: Any,
-        headers: list[tuple[str, bytes]],
-        message_lsn: int,
-        err: KafkaError | None,
-        msg: Any,
-    ) -> None:
+    def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
         if err is None:
             self.connected = True
             self._on_ack(token)
-            return
-        refused = Message(msg.topic(), msg.key(), None, headers, message_lsn)
-        if self._on_refused is not None:
-            _refused(refused, err, self._relay)  # logged and counted
+        else:
             self._on_refused(token, err)
-        elif self._dead_letter_topic is not None:
-            self._to_dead_letter.append((refused, err, len(msg), token))
-        elif self.failure is None:
-            self.failure = _refused(refused, err, self._relay)
 
     def _on_stats(self, stats_json: str) -> None:
         try:
@@ -273,53 +265,26 @@ class KafkaSink:
             if not self._checking:
                 log.warning("kafka unreachable, retrying", extra={"action": "kafka_down"})
         elif err.fatal():
-            self.failure = DeliveryError(f"Kafka producer failed: {err.str()}")
+            self._on_fatal(err)
         else:
             self._last_error = err
             if not self._checking:
                 log.warning("kafka: %s", err.str(), extra={"action": "kafka_error"})
 
 
+def _gapless_warning(record: logging.LogRecord) -> bool:
+    """False for librdkafka's warning that enable.gapless.guarantee is experimental: the relay
+    sets it on purpose (REQUIRED), and every new producer would repeat it."""
+    args = record.args
+    return not (
+        isinstance(args, tuple) and args[:1] == ("CONFWARN",) and "gapless" in str(args[-1])
+    )
+
+
+_KAFKA_LOG.addFilter(_gapless_warning)
+
+
 def _connection_failures(record: logging.LogRecord) -> bool:
     """False for librdkafka's lines about a failed connection (facility FAIL), kept out of the
     log while start-up checks the broker: the check's error tells the reason once."""
     return not (isinstance(record.args, tuple) and record.args[:1] == ("FAIL",))
-
-
-def _header(message: Message, name: str) -> str:
-    for key, value in message.headers:
-        if key == name:
-            return value.decode(errors="replace")
-    return "?"
-
-
-def _log_event(emit: Callable[..., None], text: str, message: Message, err: KafkaError) -> None:
-    emit(
-        text,
-        extra={
-            "action": "event_refused",
-            "event_id": _header(message, "id"),
-            "event_type": _header(message, "event_type"),
-            "aggregate_id": message.key.decode(errors="replace") if message.key else None,
-            "lsn": format_lsn(message.lsn) if message.lsn else None,
-            "error": err.str(),
-        },
-    )
-
-
-def _refused(message: Message, err: KafkaError, relay: str) -> DeliveryError:
-    event_id = _header(message, "id")
-    event_type = _header(message, "event_type")
-    aggregate_id = message.key.decode(errors="replace") if message.key else "?"
-    remedy = {
-        KafkaError.MSG_SIZE_TOO_LARGE: "raise message.max.bytes (broker or topic) and "
-        "--kafka-config message.max.bytes, make the event smaller, or pass "
-        "--dead-letter-topic",
-        KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the relay's principal WRITE on the topic",
-    }.get(err.code(), "fix the cause and restart the relay; it resumes from this event")
-    EVENTS_FAILED.labels(relay=relay, event_type=event_type).inc()
-    _log_event(log.error, "event refused", message, err)
-    return DeliveryError(
-        f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "
-        f"for topic {message.topic}: {err.str()}; {remedy}"
-    )

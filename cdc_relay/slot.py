@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +14,6 @@ from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.metrics import WAL_RETAINED
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ReplicationConnection
 
@@ -33,6 +31,72 @@ class SlotSpec:
     publication: str
     table: str
     plugin: str = "pgoutput"
+
+
+@dataclass(frozen=True)
+class OutboxTable:
+    """The outbox table by identity: the relay follows its OID through renames and schema
+    moves, as the publication does."""
+
+    oid: int
+    schema: str
+    name: str
+    partitioned: bool
+
+    @property
+    def qualified(self) -> str:
+        """``schema.name``, each quoted where SQL needs it."""
+        return sql.Identifier(self.schema, self.name).as_string()
+
+
+def find_table(conn: psycopg.Connection[dict[str, Any]], table: str) -> OutboxTable | None:
+    """``--table`` resolved as PostgreSQL resolves it (search_path, case folding, quotes)."""
+    row = conn.execute(QUERIES["outbox_table"], {"table": table}).fetchone()
+    return OutboxTable(**row) if row else None
+
+
+def table_by_oid(conn: psycopg.Connection[dict[str, Any]], oid: int) -> OutboxTable | None:
+    """The table of ``oid`` as it is named now; None once it is dropped."""
+    row = conn.execute(QUERIES["outbox_table_by_oid"], {"oid": oid}).fetchone()
+    return OutboxTable(**row) if row else None
+
+
+def coverage_problem(
+    conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
+) -> str | None:
+    """Why ``publication`` does not publish the inserts of ``table``, with the remedy; None
+    when it does."""
+    row = _one(conn, "coverage", publication=publication, oid=table.oid)
+    if not row:
+        return f"publication {publication} does not exist; run cdc-relay setup-slot"
+    if not row["covered"]:
+        if table.partitioned and not row["via_root"]:
+            return (
+                f"publication {publication} publishes the partitions of {table.qualified} under "
+                "their own names, not the table's; run ALTER PUBLICATION "
+                f"{publication} SET (publish_via_partition_root = true)"
+            )
+        return (
+            f"publication {publication} does not publish {table.qualified}, so its events "
+            f"would not be relayed; run ALTER PUBLICATION {publication} ADD TABLE "
+            f"{table.qualified}"
+        )
+    if not row["inserts"]:
+        return (
+            f"publication {publication} does not publish inserts; run ALTER PUBLICATION "
+            f"{publication} SET (publish = 'insert')"
+        )
+    return None
+
+
+def check_encoding(server: dict[str, Any]) -> None:
+    """The relay reads text as UTF-8: another database encoding would change bytes on the way."""
+    if server["encoding"] != "UTF8":
+        raise PreflightError(
+            f"database {server['database']} is encoded in {server['encoding']}; cdc-relay "
+            "relays UTF8 databases only, so that events reach Kafka with the bytes stored: "
+            "move the outbox to a database created WITH ENCODING 'UTF8'"
+        )
 
 
 @dataclass
@@ -73,6 +137,7 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
             f"wal_level is '{server['wal_level']}'; set wal_level = logical in "
             "postgresql.conf (or ALTER SYSTEM SET wal_level = logical) and restart PostgreSQL"
         )
+    check_encoding(server)
     role = _one(conn, "role")
     if not role.get("can_replicate"):
         raise PreflightError(
@@ -117,7 +182,10 @@ def setup(dsn: str, spec: SlotSpec, dry_run: bool = False, create_slot: bool = T
 
         publication = _one(conn, "publication", publication=spec.publication)
         if publication:
-            _check_publication(spec, table, publication)
+            found = find_table(conn, spec.table)
+            problem = coverage_problem(conn, spec.publication, found) if found else None
+            if problem:
+                raise PreflightError(problem)
             report.existing.append(f"publication {spec.publication} on {table}")
         else:
             statement = sql.SQL(QUERIES["create_publication"]).format(
@@ -161,20 +229,6 @@ def exported_snapshot(dsn: str, spec: SlotSpec) -> Iterator[tuple[str, str]]:
         yield format_lsn(lsn), snapshot
     finally:
         conn.close()
-
-
-def _check_publication(spec: SlotSpec, table: str, publication: dict[str, Any]) -> None:
-    if not publication["all_tables"] and table not in publication["tables"]:
-        raise PreflightError(
-            f"publication {spec.publication} exists but does not publish {table}; run "
-            f"ALTER PUBLICATION {spec.publication} ADD TABLE {table}, or choose another "
-            "--publication"
-        )
-    if not publication["inserts"]:
-        raise PreflightError(
-            f"publication {spec.publication} does not publish inserts; run ALTER PUBLICATION "
-            f"{spec.publication} SET (publish = 'insert')"
-        )
 
 
 def _check_slot(spec: SlotSpec, database: str, slot: dict[str, Any]) -> None:
@@ -236,40 +290,3 @@ def drop(dsn: str, spec: SlotSpec) -> list[str]:
             )
             removed.append(f"publication {spec.publication}")
     return removed
-
-
-class SlotWatcher:
-    """Reads the WAL the slot retains every ``interval`` seconds, for the metrics, in a thread.
-
-    Its own connection, so a slow query never holds up the replication loop.
-    """
-
-    def __init__(self, dsn: str, slot: str, interval: float = 10.0) -> None:
-        self._dsn = dsn
-        self._slot = slot
-        self._interval = interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="slot-watcher", daemon=True)
-
-    def start(self) -> SlotWatcher:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        conn: psycopg.Connection[dict[str, Any]] | None = None
-        while not self._stop.is_set():
-            try:
-                if conn is None or conn.closed:
-                    conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
-                row = _one(conn, "slot", slot=self._slot)
-                if row.get("retained_bytes") is not None:
-                    WAL_RETAINED.set(row["retained_bytes"])
-            except psycopg.Error as exc:
-                log.debug("slot watcher: %s", exc)
-                conn = None
-            self._stop.wait(self._interval)
-        if conn is not None:
-            conn.close()

@@ -12,9 +12,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from confluent_kafka import KafkaError
+
 from cdc_relay import pgoutput, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
-from cdc_relay.errors import DecodeError, PreflightError, RelayError, SlotInUseError
+from cdc_relay.deadletter import DeadLetters
+from cdc_relay.errors import (
+    DecodeError,
+    DeliveryError,
+    PreflightError,
+    RelayError,
+    SlotInUseError,
+)
 from cdc_relay.events import (
     Begin,
     Commit,
@@ -30,6 +39,7 @@ from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
     CONNECTED,
+    EVENTS_FAILED,
     EVENTS_PENDING,
     EVENTS_PUBLISHED,
     IN_FLIGHT,
@@ -38,11 +48,20 @@ from cdc_relay.metrics import (
     Health,
 )
 from cdc_relay.queries import QUERIES
+from cdc_relay.refusals import Fate, fate, header, is_culprit, log_refusal, refusal_error
 from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
-from cdc_relay.slot import PLUGINS, SlotWatcher, connect
+from cdc_relay.slot import (
+    PLUGINS,
+    OutboxTable,
+    check_encoding,
+    connect,
+    coverage_problem,
+    find_table,
+)
 from cdc_relay.wal2json import Wal2JsonDecoder
+from cdc_relay.watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +90,8 @@ class StreamSettings:
     tombstone_on_empty: bool = False
     dead_letter_topic: str | None = None
     standby: bool = False  # wait while another relay holds the slot, then take over
+    # Skip rows of other tables in the publication (logged) instead of stopping at the first.
+    ignore_other_tables: bool = False
 
 
 @dataclass
@@ -88,6 +109,16 @@ class _Stopping(Exception):
     """A stop was requested while waiting on a full producer queue."""
 
 
+class _Rewind(Exception):
+    """Kafka refused events: replay from the confirmed position (cdc_relay.refusals)."""
+
+
+_PENDING = object()  # no report yet for the message sent alone
+
+# A token of the sink: the event's transaction, and its id for the refusals.
+Token = tuple[Transaction, str]
+
+
 class StreamRelay:
     """Streams one slot to Kafka until stopped; confirms only acknowledged positions."""
 
@@ -97,17 +128,21 @@ class StreamRelay:
         self.tracker = LsnTracker()
         self.router = Router(settings.topic_template, settings.tombstone_on_empty)
         self.sink = KafkaSink(
-            settings.kafka_config,
-            on_ack=self._acked,
-            relay="stream",
-            dead_letter_topic=settings.dead_letter_topic,
+            settings.kafka_config, on_ack=self._acked, on_refused=self._refused, relay="stream"
+        )
+        self.dead_letters = (
+            DeadLetters(settings.dsn, settings.slot, settings.dead_letter_topic)
+            if settings.dead_letter_topic
+            else None
         )
         self._plugin = "pgoutput"
         self._decode: Callable[[bytes], Sequence[Record]] = _pgoutput
         self.progress = Progress()
         self._published = EVENTS_PUBLISHED.labels(relay="stream")
         self._last_event = time.monotonic()
-        self._table: tuple[str, str] = ("", "")
+        self._table = OutboxTable(0, "", "", partitioned=False)
+        self._watcher: Watcher | None = None
+        self._relations: dict[int, str] = {}  # relid -> name, for messages about other tables
         self._stop = False
         self._conn: ReplicationConnection | None = None
         self._mappers: dict[int, RowMapper | None] = {}
@@ -118,11 +153,31 @@ class StreamRelay:
         self._last_progress = time.monotonic()
         self._sent_flush: Lsn = -1
         self._standing_by = False
+        # Refusals reported since the last look, and the ids of events to send alone.
+        self._refusals: list[tuple[Token, KafkaError]] = []
+        self._suspects: set[str] = set()
+        self._offering = False  # inside sink.offer: a refusal now is the client's, of this one
+        self._refused_now: KafkaError | None = None
+        self._lone: Token | None = None  # the message sent alone, waiting for its report
+        self._lone_result: object = _PENDING
+        self._rewinds = 0  # rewinds in a row that were retries, for the pause before the next
 
-    def _acked(self, transaction: Transaction) -> None:
+    def _acked(self, token: Token) -> None:
+        transaction = token[0]
+        if token is self._lone:
+            self._lone_result = None
         self.tracker.acked(transaction)
         self._published.inc()
         LATENCY.observe(max(0.0, time.time() - transaction.commit_time_us / 1e6))
+
+    def _refused(self, token: Token, err: KafkaError) -> None:
+        """The sink's report of a message Kafka did not take (cdc_relay.refusals)."""
+        if self._offering:
+            self._refused_now = err
+        elif token is self._lone:
+            self._lone_result = err
+        elif not token[0].forgotten:
+            self._refusals.append((token, err))
 
     def _register_metrics(self) -> None:
         """Gauges read on scrape, from the relay's own state."""
@@ -158,7 +213,9 @@ class StreamRelay:
         self._conn = self._acquire()
         if self._conn is None:
             return  # stopped while waiting as a standby
-        watcher = SlotWatcher(self.settings.dsn, self.settings.slot).start()
+        publication = self.settings.publication if self._plugin == "pgoutput" else None
+        watcher = Watcher(self.settings.dsn, self.settings.slot, self._table, publication)
+        self._watcher = watcher.start()
         log.info(
             "streaming slot %s from %s",
             self.settings.slot,
@@ -172,18 +229,21 @@ class StreamRelay:
                 except ConnectionLost as exc:
                     log.warning(str(exc), extra={"action": "disconnected"})
                     self._recover()
+                except _Rewind:
+                    self._rewind()
         except _Stopping:
             pass
         finally:
             watcher.stop()
             self._shutdown()
+            if self.dead_letters is not None:
+                self.dead_letters.close()
 
     # -- the loop -------------------------------------------------------------------------
 
     def _pump(self) -> None:
         conn = self._require_conn()
         tracker = self.tracker
-        sink = self.sink
         while not self._stop:
             message = conn.read(_READ_TIMEOUT)
             if message is None:
@@ -205,8 +265,16 @@ class StreamRelay:
                     ) from None
                 for record in records:
                     self._handle(record)
-            sink.poll(0)
+            self._serve(0)
             self._send_status()
+            if self._watcher is not None and self._watcher.problem is not None:
+                raise RelayError(self._watcher.problem)
+
+    def _serve(self, timeout: float) -> None:
+        """Serve delivery reports; a refusal among them rewinds the stream."""
+        self.sink.poll(timeout)
+        if self._refusals:
+            raise _Rewind
 
     def _handle(self, record: Record) -> None:
         if isinstance(record, Insert):
@@ -216,10 +284,13 @@ class StreamRelay:
                     "message; this is a bug, please report it"
                 )
             mapper = self._mappers[record.relid]
-            if mapper is None or self._transaction is None:
-                return  # a row of another table in the publication
+            if mapper is None:
+                self._other_table(record.relid)
+                return
+            if self._transaction is None:
+                return
             event = mapper.event(record, self._begin)
-            self._send(self.router.route(event), self._transaction)
+            self._send(self.router.route(event), self._transaction, event.id)
         elif isinstance(record, Begin):
             self._begin = record
             self._transaction = self.tracker.begin(record.commit_time_us)
@@ -230,12 +301,44 @@ class StreamRelay:
             self._begin = None
             self._transaction = None
         elif isinstance(record, Relation):
-            ours = (record.namespace, record.name) == self._table
-            self._mappers[record.relid] = (
-                RowMapper.for_relation(record, self.settings.layout) if ours else None
-            )
+            self._relation(record)
         elif isinstance(record, LogicalMessage):
             self._message(record)
+
+    def _relation(self, record: Relation) -> None:
+        """Whether the rows of ``record`` are outbox events: the outbox table is known by its
+        OID (pgoutput), which follows renames and schema moves, or by its name (wal2json,
+        and rows written before the table was dropped and made again)."""
+        table = self._table
+        by_name = (record.namespace, record.name) == (table.schema, table.name)
+        by_oid = self._plugin == "pgoutput" and record.relid == table.oid
+        self._relations[record.relid] = record.qualified_name
+        self._mappers[record.relid] = (
+            RowMapper.for_relation(record, self.settings.layout) if by_oid or by_name else None
+        )
+        if by_oid and not by_name:
+            log.info(
+                "rows of the outbox table arrive as %s (renamed); following it by identity",
+                record.qualified_name,
+                extra={"action": "table_renamed", "table": record.qualified_name},
+            )
+
+    def _other_table(self, relid: int) -> None:
+        name = self._relations.get(relid, str(relid))
+        if not self.settings.ignore_other_tables:
+            raise RelayError(
+                f"a row of table {name} arrived: publication {self.settings.publication} "
+                f"publishes it beside the outbox table {self._table.qualified}, and cdc-relay "
+                f"relays the outbox only. Remove it (ALTER PUBLICATION "
+                f"{self.settings.publication} DROP TABLE {name}) and restart with "
+                "--ignore-other-tables to pass its rows already written, or give it its own "
+                "publication"
+            )
+        log.warning(
+            "skipped a row of table %s, which is not the outbox table",
+            name,
+            extra={"action": "other_table", "table": name},
+        )
 
     def _message(self, record: LogicalMessage) -> None:
         """A logical decoding message with our prefix is an event, routed like a row."""
@@ -245,30 +348,114 @@ class StreamRelay:
             if self._transaction is None or self._begin is None:
                 raise RelayError("transactional message outside a transaction; please report it")
             event = envelope_event(record, self._begin)
-            self._send(self.router.route(event), self._transaction)
+            self._send(self.router.route(event), self._transaction, event.id)
         else:
             # Sent at once, even if its transaction rolls back: its own unit in the tracker.
             event = envelope_event(record, None)
             transaction = self.tracker.begin(time.time_ns() // 1000)
-            self._send(self.router.route(event), transaction)
+            self._send(self.router.route(event), transaction, event.id)
             self.tracker.commit(transaction, record.lsn)
 
-    def _send(self, message: Message, transaction: Transaction) -> None:
+    def _send(self, message: Message, transaction: Transaction, event_id: str) -> None:
+        token = (transaction, event_id)
         self.tracker.sent(transaction)
-        while not self.sink.offer(message, transaction):
-            # Queue full: wait for acks, but keep the walsender's timeout from firing.
-            self.sink.poll(0.05)
+        if self._suspects and event_id in self._suspects:
+            self._send_suspect(message, token)
+        else:
+            err = self._offer(message, token)
+            if err is not None:  # the client refused it: it is the culprit, for certain
+                self._settle()
+                self._culprit(message, token, err)
+        self.progress.events += 1
+        self._last_event = time.monotonic()
+
+    def _offer(self, message: Message, token: Token) -> KafkaError | None:
+        """Hand ``message`` to the sink, waiting while its queue is full (the walsender still
+        hears from us); the client's refusal of it, if any."""
+        while True:
+            self._offering = True
+            try:
+                accepted = self.sink.offer(message, token)
+            finally:
+                self._offering = False
+            if self._refused_now is not None:
+                err, self._refused_now = self._refused_now, None
+                return err
+            if accepted:
+                return None
+            self._serve(0.05)
             self._send_status()
             if self._stop:
                 raise _Stopping
-        self.progress.events += 1
-        self._last_event = time.monotonic()
+
+    def _settle(self) -> None:
+        """Wait until Kafka answered for every message sent; a refusal rewinds."""
+        while self.sink.in_flight():
+            self._serve(0.05)
+            self._send_status()
+            if self._stop:
+                raise _Stopping
+
+    def _deliver_alone(self, message: Message, token: Token) -> KafkaError | None:
+        """Send ``message`` with nothing else in flight and wait for its report: whatever
+        Kafka answers is about this message. None when it was acknowledged."""
+        self._settle()
+        self._lone, self._lone_result = token, _PENDING
+        try:
+            err = self._offer(message, token)
+            if err is not None:
+                return err
+            while self._lone_result is _PENDING:
+                self.sink.poll(0.05)
+                self._send_status()
+                if self._stop:
+                    raise _Stopping
+            return self._lone_result if isinstance(self._lone_result, KafkaError) else None
+        finally:
+            self._lone = None
+
+    def _send_suspect(self, message: Message, token: Token) -> None:
+        """An event Kafka refused among others: alone, it is acknowledged or is the culprit."""
+        err = self._deliver_alone(message, token)
+        if err is None:
+            self._suspects.discard(token[1])
+        elif is_culprit(err):
+            self._culprit(message, token, err)
+        else:  # not about this message after all: try again after a pause
+            self._refusals.append((token, err))
+            raise _Rewind
+
+    def _culprit(self, message: Message, token: Token, err: KafkaError) -> None:
+        """Kafka refuses this event for good: stop at it, or dead-letter it and go on."""
+        self._suspects.discard(token[1])
+        if self.dead_letters is None:
+            raise refusal_error(message, err, "stream")
+        self.dead_letters.store(message, err)
+        letter_err = self._deliver_alone(
+            self.dead_letters.letter(message, err, with_value=True), token
+        )
+        if letter_err is not None and is_culprit(letter_err) and message.value:
+            # The payload is what the dead-letter topic refuses too: the table has it.
+            letter_err = self._deliver_alone(
+                self.dead_letters.letter(message, err, with_value=False), token
+            )
+        if letter_err is not None:
+            raise DeliveryError(
+                f"the dead-letter topic {self.dead_letters.topic} refused event {token[1]} "
+                f"too: {letter_err.str()}; the event is in table cdc_relay_dead_letters, and "
+                "nothing from it on was confirmed: fix the dead-letter topic and restart"
+            )
+        log_refusal(log.warning, "event sent to the dead-letter topic", message, err)
+        EVENTS_FAILED.labels(relay="stream", event_type=header(message, "event_type")).inc()
 
     def _send_status(self, force: bool = False) -> None:
         self.health.beat()
         now = time.monotonic()
         since = now - self._last_status
         safe = self.tracker.safe_lsn
+        if self._watcher is not None:
+            # Not past a position the table's publication was last seen to cover (watch.py).
+            safe = min(safe, self._watcher.verified)
         if (
             force
             or since >= self.settings.status_interval
@@ -294,39 +481,40 @@ class StreamRelay:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _check_database(self) -> tuple[tuple[str, str], str, str]:
+    def _check_database(self) -> tuple[OutboxTable, str, str]:
         """Slot, publication and table exist as ``stream`` needs them.
 
-        Returns the table's (schema, name), the slot's confirmed position and its plugin.
+        Returns the outbox table, the slot's confirmed position and the slot's plugin.
         """
-        with connect(self.settings.dsn) as conn:
-            slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
+        settings = self.settings
+        with connect(settings.dsn) as conn:
+            check_encoding(conn.execute(QUERIES["server"]).fetchone() or {})
+            slot = conn.execute(QUERIES["slot"], {"slot": settings.slot}).fetchone()
             if not slot:
                 raise PreflightError(
-                    f"replication slot {self.settings.slot!r} does not exist; "
+                    f"replication slot {settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
                 )
             if slot["plugin"] not in PLUGINS:
                 raise PreflightError(
-                    f"slot {self.settings.slot} uses {slot['plugin']}; stream decodes "
+                    f"slot {settings.slot} uses {slot['plugin']}; stream decodes "
                     f"{' and '.join(PLUGINS)}: create such a slot with cdc-relay setup-slot"
                 )
-            publication = conn.execute(
-                QUERIES["publication"], {"publication": self.settings.publication}
-            ).fetchone()
-            if not publication and slot["plugin"] == "pgoutput":
+            table = find_table(conn, settings.table)
+            if table is None:
+                raise PreflightError(f"table {settings.table} does not exist; check --table")
+            if slot["plugin"] == "pgoutput":
+                problem = coverage_problem(conn, settings.publication, table)
+                if problem:
+                    raise PreflightError(problem)
+            elif table.partitioned:
                 raise PreflightError(
-                    f"publication {self.settings.publication!r} does not exist; "
-                    "run cdc-relay setup-slot first"
+                    f"{table.qualified} is partitioned, and wal2json names each row by its "
+                    "partition; use a pgoutput slot (cdc-relay setup-slot --plugin pgoutput)"
                 )
-            table = conn.execute(QUERIES["table_name"], {"table": self.settings.table}).fetchone()
-            if not table:
-                raise PreflightError(f"table {self.settings.table} does not exist; check --table")
-            return (
-                (str(table["schema"]), str(table["name"])),
-                str(slot["confirmed_flush_lsn"]),
-                str(slot["plugin"]),
-            )
+            if self.dead_letters is not None:
+                self.dead_letters.check(conn)
+            return table, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
     def _open(self) -> ReplicationConnection:
         """Connect and start streaming; decoder state starts afresh with each connection."""
@@ -334,7 +522,7 @@ class StreamRelay:
             self._decode = Wal2JsonDecoder().decode
             options = {
                 **wal2json.START_OPTIONS,
-                "add-tables": wal2json.table_filter(*self._table),
+                "add-tables": wal2json.table_filter(self._table.schema, self._table.name),
                 "add-msg-prefixes": self.settings.message_prefix,
             }
         else:
@@ -382,14 +570,72 @@ class StreamRelay:
         """After a lost connection: settle what is in flight, forget the rest, reconnect."""
         self._close_conn()
         self._drain(self.settings.shutdown_timeout, confirm=False)
+        self._note_refusals()
+        self._restart_decoding()
+        self._reconnect()
+
+    def _rewind(self) -> None:
+        """Kafka refused events: drop what the producer holds (the gapless guarantee let
+        nothing after a refused batch through) and replay from the confirmed position,
+        sending each suspect alone (cdc_relay.refusals)."""
+        refusals = self._refusals
+        retry = self._note_refusals()
+        token, err = refusals[0]
+        log.warning(
+            "Kafka refused %d events (the first, %s: %s); replaying from %s and sending each "
+            "of them alone to find the one it refuses",
+            len(refusals),
+            token[1],
+            err.str(),
+            format_lsn(self.tracker.safe_lsn),
+            extra={"action": "rewind", "event_id": token[1], "error": err.str()},
+        )
+        self._close_conn()
+        self._restart_decoding()
+        self.sink.renew()  # the purged messages' reports come for forgotten transactions
+        if retry:
+            self._rewinds += 1
+            self._pause(min(0.5 * 2**self._rewinds, _RECONNECT_MAX))
+        self._reconnect()
+
+    def _note_refusals(self) -> bool:
+        """Turn the refusals reported so far into suspects; True if one calls for a pause."""
+        refusals, self._refusals = self._refusals, []
+        retry = False
+        for (_, event_id), err in refusals:
+            kind = fate(err)
+            if kind is Fate.STOP:
+                raise DeliveryError(
+                    f"Kafka refused the relay: {err.str()}; fix the cause and restart the relay: "
+                    "it resumes after the last event Kafka acknowledged"
+                )
+            if kind is Fate.ISOLATE:
+                self._suspects.add(event_id)
+            else:
+                retry = True
+        return retry
+
+    def _restart_decoding(self) -> None:
+        """Forget open and unacknowledged transactions: the stream starts again from the
+        confirmed position, decoded from scratch (invariant 7)."""
         self.tracker.reset()
         self._mappers.clear()
         self._begin = None
         self._transaction = None
+
+    def _pause(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stop and time.monotonic() < deadline:
+            self.health.beat()
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def _reconnect(self) -> None:
         delay = 0.5
         while not self._stop:
             try:
                 self._conn = self._open()
+            except PreflightError:
+                raise  # the slot is gone or unusable: retrying would not bring it back
             except (ConnectionLost, RelayError) as exc:
                 log.warning(
                     "reconnect failed, retrying in %.1fs: %s",
@@ -397,7 +643,7 @@ class StreamRelay:
                     exc,
                     extra={"action": "reconnect_failed"},
                 )
-                time.sleep(delay)
+                self._pause(delay)
                 delay = min(delay * 2, _RECONNECT_MAX) * random.uniform(0.8, 1.2)  # noqa: S311
             else:
                 log.info(
@@ -416,6 +662,10 @@ class StreamRelay:
 
     def _shutdown(self) -> None:
         try:
+            if self._refusals or self.sink.broken:
+                # Kafka refused events: what the producer holds is not delivered (a later
+                # event of a refused one's key must not overtake it) and is replayed later.
+                self.sink.renew()
             if self._conn is not None:
                 self._drain(self.settings.shutdown_timeout, confirm=True)
                 self._send_status(force=True)

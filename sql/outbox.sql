@@ -33,6 +33,22 @@ CREATE INDEX IF NOT EXISTS outbox_events_processed
     ON outbox_events (processed_at)
     WHERE processed_at IS NOT NULL;
 
+-- Events `cdc-relay stream --dead-letter-topic` could not put on their topic (too large, not
+-- authorised, invalid for the topic), with their whole content: the dead-letter topic carries
+-- the content too when it fits, and this table always does, so no event exists nowhere.
+CREATE TABLE IF NOT EXISTS cdc_relay_dead_letters (
+    event_id   text        PRIMARY KEY,
+    topic      text        NOT NULL,  -- where the event should have gone
+    key        bytea,
+    value      bytea,
+    headers    jsonb       NOT NULL,
+    error_code text        NOT NULL,
+    error      text        NOT NULL,
+    commit_lsn pg_lsn      NOT NULL,
+    slot       text        NOT NULL,
+    dead_at    timestamptz NOT NULL DEFAULT now()
+);
+
 -- A table-less outbox: the event travels in the WAL only, as a transactional logical
 -- decoding message that the relay routes exactly like a row. Nothing is stored, so there is
 -- nothing to clean up; the message is decoded only if the transaction commits.

@@ -87,3 +87,10 @@ SELECT format('GRANT SELECT ON TABLE %s TO %I, %I',
               to_regclass('outbox_dead_letters'), :'stream_role', :'poller_role')
 WHERE to_regclass('outbox_dead_letters') IS NOT NULL
 \gexec
+
+-- sql/outbox.sql's table of the events `stream --dead-letter-topic` dead-lettered: the stream
+-- relay writes each one there, with its content, before it confirms the slot past it.
+SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',
+              to_regclass('cdc_relay_dead_letters'), :'stream_role')
+WHERE to_regclass('cdc_relay_dead_letters') IS NOT NULL
+\gexec

@@ -9,7 +9,8 @@ SELECT current_setting('server_version_num')::int AS version_num,
        (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'walsender')::int
            AS senders_used,
        current_database() AS database,
-       current_user AS role
+       current_user AS role,
+       current_setting('server_encoding') AS encoding
 
 -- role --
 -- Whether the current role may use replication connections and create publications
@@ -39,8 +40,57 @@ FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
 -- create_publication --
--- Publish only inserts of the outbox table: deletes by a cleaning job are not events
-CREATE PUBLICATION {publication} FOR TABLE {table} WITH (publish = 'insert')
+-- Publish only inserts of the outbox table: deletes by a cleaning job are not events. Rows of
+-- a partitioned outbox are published as the root's, so the relay knows them whatever partition
+-- holds them, partitions attached later included.
+CREATE PUBLICATION {publication} FOR TABLE {table}
+    WITH (publish = 'insert', publish_via_partition_root = true)
+
+-- outbox_table --
+-- The outbox table by identity: its OID, its names now, and whether it is partitioned
+SELECT c.oid::bigint AS oid, n.nspname AS schema, c.relname AS name,
+       c.relkind = 'p' AS partitioned
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = to_regclass(%(table)s)
+
+-- outbox_table_by_oid --
+-- The same, found by OID after renames and schema moves; no row once it is dropped
+SELECT c.oid::bigint AS oid, n.nspname AS schema, c.relname AS name,
+       c.relkind = 'p' AS partitioned
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = %(oid)s::oid
+
+-- coverage --
+-- Whether the publication publishes inserts of the table itself (a partitioned table only with
+-- publish_via_partition_root: otherwise its rows come under the names of its partitions)
+SELECT p.pubinsert AS inserts,
+       p.pubviaroot AS via_root,
+       EXISTS (SELECT 1 FROM pg_publication_tables t
+               WHERE t.pubname = p.pubname
+                 AND to_regclass(format('%%I.%%I', t.schemaname, t.tablename)) = %(oid)s::oid)
+           AS covered
+FROM pg_publication p
+WHERE p.pubname = %(publication)s
+
+-- wal_lsn --
+-- The WAL insert position now
+SELECT pg_current_wal_lsn()::text AS lsn
+
+-- store_dead_letter --
+-- An event Kafka refused for good, with its content, before the slot moves past it
+INSERT INTO cdc_relay_dead_letters
+    (event_id, topic, key, value, headers, error_code, error, commit_lsn, slot)
+VALUES (%(event_id)s, %(topic)s, %(key)s, %(value)s, %(headers)s, %(error_code)s, %(error)s,
+        %(commit_lsn)s::pg_lsn, %(slot)s)
+ON CONFLICT (event_id) DO UPDATE
+SET error_code = excluded.error_code, error = excluded.error, dead_at = now()
+
+-- dead_letter_table --
+-- Whether the stream's dead-letter table exists and this role may write it
+SELECT to_regclass('cdc_relay_dead_letters') IS NOT NULL
+       AND has_table_privilege('cdc_relay_dead_letters', 'INSERT, UPDATE') AS writable
 
 -- slot --
 -- A replication slot by name, with its position and the WAL it holds back

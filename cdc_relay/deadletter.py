@@ -1,0 +1,90 @@
+"""Dead letters of the stream: an event Kafka refused for good (``--dead-letter-topic``).
+
+Its whole content goes to the table ``cdc_relay_dead_letters`` (sql/outbox.sql) before the slot
+moves past it, then to the dead-letter topic: with the payload when the topic takes it, without
+when the payload is what Kafka refused. So no event's content exists nowhere, whatever the row
+or the logical message it came from becomes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import psycopg
+from confluent_kafka import KafkaError
+from psycopg.rows import dict_row
+
+from cdc_relay.errors import PreflightError
+from cdc_relay.lsn import format_lsn
+from cdc_relay.queries import QUERIES
+from cdc_relay.replication import ConnectionLost
+from cdc_relay.routing import Message
+
+TABLE = "cdc_relay_dead_letters"
+
+
+class DeadLetters:
+    """Stores refused events and builds their dead-letter messages."""
+
+    def __init__(self, dsn: str, slot: str, topic: str) -> None:
+        self._dsn = dsn
+        self._slot = slot
+        self.topic = topic
+        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+
+    def check(self, conn: psycopg.Connection[dict[str, Any]]) -> None:
+        """The table exists and the relay's role may write it."""
+        row = conn.execute(QUERIES["dead_letter_table"]).fetchone()
+        if not row or not row["writable"]:
+            raise PreflightError(
+                f"--dead-letter-topic keeps each dead letter's content in table {TABLE}, which "
+                "is missing or not writable by this role; apply sql/outbox.sql (and "
+                "sql/roles.sql for a least-privilege role)"
+            )
+
+    def store(self, message: Message, err: KafkaError) -> None:
+        """Keep the event with its content; raises ConnectionLost when the database is away
+        (the stream then replays, and the event is refused and stored again)."""
+        headers = {name: value.decode(errors="replace") for name, value in message.headers}
+        params = {
+            "event_id": headers.get("id", "?"),
+            "topic": message.topic,
+            "key": message.key,
+            "value": message.value,
+            "headers": json.dumps(headers),
+            "error_code": str(err.name()),
+            "error": err.str(),
+            "commit_lsn": format_lsn(message.lsn),
+            "slot": self._slot,
+        }
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
+            self._conn.execute(QUERIES["store_dead_letter"], params)
+        except psycopg.OperationalError as exc:
+            self._conn = None
+            raise ConnectionLost(f"cannot store a dead letter: {exc}") from None
+
+    def letter(self, message: Message, err: KafkaError, with_value: bool) -> Message:
+        """The dead-letter message: the event's key and headers, the reason in more headers,
+        and its payload unless ``with_value`` is False (the payload stays in the table)."""
+        size = len(message.value) if message.value is not None else 0
+        return Message(
+            topic=self.topic,
+            key=message.key,
+            value=message.value if with_value else None,
+            headers=[
+                *message.headers,
+                ("error", err.str().encode()),
+                ("error_code", str(err.name()).encode()),
+                ("original_topic", message.topic.encode()),
+                ("payload_bytes", str(size).encode()),
+                ("payload_in", (b"value " if with_value else b"") + TABLE.encode()),
+            ],
+            lsn=message.lsn,
+        )
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()

@@ -1,0 +1,126 @@
+"""Background checks of what the stream depends on, on their own connection: the outbox table
+(by identity) is still there and still published, and how much WAL the slot retains.
+
+A check reads the WAL insert position first and then the catalog: when the table is still
+published in that later snapshot, every transaction that committed before the position was
+decoded with the table published. The stream confirms no position past the last such check
+(``verified``), so a publication that stops covering the table stops the relay before the slot
+moves past an event that was never decoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from cdc_relay.lsn import Lsn, parse
+from cdc_relay.metrics import WAL_RETAINED
+from cdc_relay.queries import QUERIES
+from cdc_relay.slot import OutboxTable, coverage_problem, table_by_oid
+
+log = logging.getLogger(__name__)
+
+
+class Watcher:
+    """Checks every ``interval`` seconds in a thread; the stream reads ``verified`` and
+    ``problem``."""
+
+    def __init__(
+        self,
+        dsn: str,
+        slot: str,
+        table: OutboxTable,
+        publication: str | None,
+        interval: float = 1.0,
+        wal_interval: float = 10.0,
+    ) -> None:
+        self._dsn = dsn
+        self._slot = slot
+        self.table = table
+        # None: the plugin selects rows by table name (wal2json), so the name must not change.
+        self._publication = publication
+        self._interval = interval
+        self._wal_every = max(1, round(wal_interval / interval))
+        self.verified: Lsn = 0
+        """A WAL position before which every commit was decoded with the table published."""
+        self.problem: str | None = None
+        """Why the stream must stop, with the remedy; set once."""
+        self._stop = threading.Event()
+        self._conn: psycopg.Connection[dict[str, Any]] | None = None
+        self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
+
+    def start(self) -> Watcher:
+        """Check once now (the stream confirms nothing before), then in the background."""
+        self._check_safely(0)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        rounds = 1
+        while not self._stop.wait(self._interval):
+            self._check_safely(rounds)
+            rounds += 1
+        if self._conn is not None:
+            self._conn.close()
+
+    def _check_safely(self, rounds: int) -> None:
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
+            self._check(self._conn, wal=rounds % self._wal_every == 0)
+        except psycopg.Error as exc:
+            # The database is away: nothing is verified meanwhile, so nothing is confirmed.
+            log.debug("watcher: %s", exc)
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+
+    def _check(self, conn: psycopg.Connection[dict[str, Any]], wal: bool) -> None:
+        if self.problem is not None:
+            return
+        row = conn.execute(QUERIES["wal_lsn"]).fetchone()
+        lsn = parse(row["lsn"]) if row else 0
+        now = table_by_oid(conn, self.table.oid)
+        if now is None:
+            self.problem = (
+                f"the outbox table {self.table.qualified} was dropped; events committed before "
+                "that were relayed, nothing after was confirmed. Recreate it and add it to the "
+                "publication (rows written to it before then are not in the stream: republish "
+                "them), or point --table at the new outbox, then restart"
+            )
+        elif (now.schema, now.name) != (self.table.schema, self.table.name):
+            if self._publication is None:
+                self.problem = (
+                    f"the outbox table {self.table.qualified} was renamed to {now.qualified}; "
+                    "the wal2json slot selects rows by table name, so rows written under the "
+                    "new name are not decoded. Rename it back (and republish the rows written "
+                    "meanwhile), or use a pgoutput slot, which follows the table by identity"
+                )
+            else:
+                log.warning(
+                    "the outbox table %s is now %s; following it",
+                    self.table.qualified,
+                    now.qualified,
+                    extra={"action": "table_renamed", "table": now.qualified},
+                )
+                self.table = now
+        if self.problem is None and self._publication is not None:
+            self.problem = coverage_problem(conn, self._publication, self.table)
+            if self.problem is not None:
+                self.problem += (
+                    "; rows written since were not decoded: republish them after the fix, "
+                    "then restart the relay"
+                )
+        if self.problem is None:
+            self.verified = max(self.verified, lsn)
+        if wal:
+            slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()
+            if slot and slot.get("retained_bytes") is not None:
+                WAL_RETAINED.set(slot["retained_bytes"])
