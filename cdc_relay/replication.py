@@ -130,6 +130,13 @@ class ReplicationConnection:
                 raise PreflightError(
                     f"replication slot {slot!r} does not exist; run cdc-relay setup-slot first"
                 )
+            if sqlstate == b"55000":  # object_not_in_prerequisite_state: invalidated
+                raise PreflightError(
+                    f"replication slot {slot!r} cannot be used any more ({message}); events "
+                    "it held may be gone from the WAL: drop it, create it again with cdc-relay "
+                    "setup-slot and republish by created_at what was committed since its "
+                    "last confirmed position (README: Hot standby and database failover)"
+                )
             raise ConnectionLost(f"START_REPLICATION failed: {message}")
 
     def read(self, timeout: float) -> XLogData | Keepalive | None:
