@@ -43,22 +43,53 @@ def legal_topic(name: str) -> str:
     return topic
 
 
+_TEMPLATE_RULE = (
+    "a template may use {aggregate_type} and {event_type} as they are (no conversion, format "
+    "spec, attribute or index), and {{ and }} for literal braces"
+)
+
+
+def check_template(template: str) -> str:
+    """``template`` if every topic it makes can be legal; a UsageError saying why not otherwise.
+
+    ``str.format`` would take much more (``{}``, ``{0}``, ``{aggregate_type!r:>9}``, ...),
+    and fail only at the first event; the template is checked once, at start-up.
+    """
+    try:
+        parts = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise UsageError(f"--topic-template {template!r}: {exc}; {_TEMPLATE_RULE}") from None
+    fixed = "".join(text for text, _, _, _ in parts)
+    fields = 0
+    for _, name, spec, conversion in parts:
+        if name is None:
+            continue
+        if name not in TEMPLATE_FIELDS or spec or conversion:
+            field = "{" + name + (f"!{conversion}" if conversion else "")
+            field += (f":{spec}" if spec else "") + "}"
+            raise UsageError(f"--topic-template {template!r}: {field} is refused; {_TEMPLATE_RULE}")
+        fields += 1
+    if not fields and legal_topic(fixed) != fixed:
+        raise UsageError(
+            f"--topic-template {template!r} names no field, so it is one topic for every event, "
+            "and that is not a legal topic name: use 1 to 249 of A-Z a-z 0-9 . _ -, "
+            "not . or .."
+        )
+    if len(fixed) > _MAX_TOPIC:
+        raise UsageError(
+            f"--topic-template is {len(fixed)} characters without its fields; a Kafka topic "
+            f"name has at most {_MAX_TOPIC}"
+        )
+    return template
+
+
 class Router:
     """Routes events to topics; key = aggregate_id, value = the payload bytes as stored."""
 
     def __init__(
         self, topic_template: str = DEFAULT_TOPIC_TEMPLATE, tombstone_on_empty: bool = False
     ) -> None:
-        try:
-            fields = {name for _, name, _, _ in string.Formatter().parse(topic_template) if name}
-        except ValueError as exc:
-            raise UsageError(f"--topic-template {topic_template!r}: {exc}") from None
-        unknown = fields - TEMPLATE_FIELDS
-        if unknown:
-            raise UsageError(
-                f"--topic-template names {', '.join(sorted(unknown))}; "
-                f"it may use only {{{'}, {'.join(sorted(TEMPLATE_FIELDS))}}}"
-            )
+        check_template(topic_template)
         self._template = topic_template
         self._tombstone_on_empty = tombstone_on_empty
         self._topics: dict[tuple[str, str], str] = {}

@@ -8,7 +8,7 @@ from capture import pgoutput_messages
 from cdc_relay import pgoutput
 from cdc_relay.errors import UsageError
 from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper, SchemaError
-from cdc_relay.routing import Router, legal_topic
+from cdc_relay.routing import Router, check_template, legal_topic
 
 
 def captured_event() -> OutboxEvent:
@@ -35,10 +35,58 @@ def test_template_may_use_event_type() -> None:
     assert router.route(captured_event()).topic == "events.order.order.created"
 
 
-@pytest.mark.parametrize("template", ["x.{tenant}", "x.{aggregate_type", "x.{0}"])
+@pytest.mark.parametrize(
+    "template",
+    [
+        "x.{tenant}",
+        "x.{aggregate_type",
+        "x.{0}",
+        "outbox.{}",
+        "{aggregate_type:d}",
+        "{aggregate_type:{w}}",
+        "{aggregate_type!r}",
+        "{aggregate_type!s}",
+        "{aggregate_type.x}",
+        "{aggregate_type[0]}",
+        "{0}",
+        "x.}",
+    ],
+)
 def test_bad_templates_are_usage_errors(template: str) -> None:
+    with pytest.raises(UsageError, match=r"may use \{aggregate_type\} and \{event_type\}"):
+        check_template(template)
     with pytest.raises(UsageError):
         Router(template)
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "",  # an empty topic for every event
+        "..",
+        "outbox events",  # no field: always the same illegal name
+        "{{literal}}",
+        "t" * 250,
+        "x" * 250 + ".{aggregate_type}",  # cut, whatever the event
+    ],
+)
+def test_templates_that_only_make_illegal_topics_are_refused(template: str) -> None:
+    with pytest.raises(UsageError, match="249"):
+        check_template(template)
+
+
+@pytest.mark.parametrize(
+    ("template", "topic"),
+    [
+        ("outbox", "outbox"),  # one topic for all
+        ("{aggregate_type}", "order"),
+        ("{{x}}.{event_type}", "_x_.order.created"),  # literal braces, made legal as before
+        ("t" * 249, "t" * 249),
+    ],
+)
+def test_good_templates_pass_the_check_and_route(template: str, topic: str) -> None:
+    assert check_template(template) == template
+    assert Router(template).route(captured_event()).topic == topic
 
 
 @pytest.mark.parametrize(
