@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from psycopg import ProgrammingError
@@ -34,10 +35,14 @@ def kafka_settings(
     ``sasl.password``, then ``key=value`` pairs over them."""
     settings: dict[str, str] = {}
     if properties_file is not None:
-        for number, raw in enumerate(properties_file.read_text().splitlines(), 1):
-            line = raw.strip()
-            if not line or line.startswith(("#", "!")):
-                continue
+        try:
+            text = properties_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8"
+            raise UsageError(
+                f"cannot read --kafka-config-file {properties_file}: {reason}"
+            ) from None
+        for number, line in _logical_lines(text):
             settings.update([_pair(line, f"{properties_file}:{number}")])
     if environ.get(SASL_PASSWORD_ENV):
         settings["sasl.password"] = environ[SASL_PASSWORD_ENV]
@@ -46,11 +51,44 @@ def kafka_settings(
     return settings
 
 
+def _logical_lines(text: str) -> Iterator[tuple[int, str]]:
+    """The settings of a properties file with the number of the line each starts on: no blank
+    lines or comments, and a line ending in an odd number of backslashes joined to the next
+    one, as java.util.Properties does. Other backslashes are kept as they are."""
+    lines = iter(enumerate(text.splitlines(), 1))
+    for number, raw in lines:
+        line = raw.lstrip()
+        if not line or line.startswith(("#", "!")):
+            continue
+        while _continues(line):
+            following = next(lines, None)
+            line = line[:-1] + ("" if following is None else following[1].lstrip())
+            if following is None:
+                break
+        yield number, line
+
+
+def _continues(line: str) -> bool:
+    return (len(line) - len(line.rstrip("\\"))) % 2 == 1
+
+
+# java.util.Properties ends a key at the first '=', ':' or white space, then takes one '=' or
+# ':' with white space around it as the separator.
+_SEPARATOR = re.compile(r"[ \t\f]*[=:][ \t\f]*|[ \t\f]+")
+
+
 def _pair(text: str, where: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise UsageError(f"{where}: {text!r} is not key=value, e.g. compression.type=zstd")
-    return key.strip(), value.strip()
+    """``key=value``, ``key: value`` or ``key value``. An error names where and at most the
+    key, never the value: the line may hold a password."""
+    line = text.strip()
+    separator = _SEPARATOR.search(line)
+    if separator is None or separator.start() == 0:
+        what = "has no key" if separator is not None else "is a key without a value"
+        raise UsageError(
+            f"{where}: the setting {what}; write key=value (or key: value), "
+            "e.g. compression.type=zstd"
+        )
+    return line[: separator.start()], line[separator.end() :].rstrip()
 
 
 def checked_dsn(dsn: str) -> str:

@@ -64,3 +64,61 @@ def test_a_dsn_libpq_cannot_parse_is_refused_without_repeating_it(dsn: str) -> N
     assert checked_dsn("host=db user=relay password='pw s3cret'") == (
         "host=db user=relay password='pw s3cret'"
     )
+
+
+def test_properties_file_takes_the_java_separators(tmp_path: Path) -> None:
+    props = tmp_path / "client.properties"
+    props.write_text(
+        "! a comment too\n"
+        "  security.protocol=SASL_SSL\n"
+        "sasl.mechanisms: SCRAM-SHA-512\n"
+        "sasl.username   relay\n"
+        "sasl.password : pw:with=separators\n"
+        "ssl.ca.location = /etc/ca.pem  \n"
+        "client.id=\n"
+        "bootstrap.servers=a:9092,\\\n"
+        "    b:9092\n"
+    )
+    assert kafka_settings([], props, {}) == {
+        "security.protocol": "SASL_SSL",
+        "sasl.mechanisms": "SCRAM-SHA-512",
+        "sasl.username": "relay",
+        "sasl.password": "pw:with=separators",
+        "ssl.ca.location": "/etc/ca.pem",
+        "client.id": "",
+        "bootstrap.servers": "a:9092,b:9092",
+    }
+    assert kafka_settings(["linger.ms: 5", "acks all"], None, {}) == {
+        "linger.ms": "5",
+        "acks": "all",
+    }
+
+
+@pytest.mark.parametrize(
+    ("line", "where"),
+    [
+        ("=hunter2", "client.properties:2: the setting has no key"),
+        (": hunter2", "client.properties:2: the setting has no key"),
+        ("hunter2", "client.properties:2: the setting is a key without a value"),
+    ],
+)
+def test_a_bad_properties_line_is_named_by_its_place_never_by_its_value(
+    tmp_path: Path, line: str, where: str
+) -> None:
+    props = tmp_path / "client.properties"
+    props.write_text(f"sasl.username=relay\n{line}\n")
+    with pytest.raises(UsageError) as refused:
+        kafka_settings([], props, {})
+    assert str(refused.value).startswith(f"{props.parent}/{where}; write key=value")
+    assert "hunter2" not in str(refused.value)
+    with pytest.raises(UsageError) as refused:
+        kafka_settings([line], None, {})
+    assert str(refused.value).startswith("--kafka-config: the setting")
+    assert "hunter2" not in str(refused.value)
+
+
+def test_an_unreadable_properties_file_is_a_usage_error(tmp_path: Path) -> None:
+    props = tmp_path / "client.properties"
+    props.write_bytes(b"sasl.password=\xff\n")
+    with pytest.raises(UsageError, match="cannot read --kafka-config-file"):
+        kafka_settings([], props, {})
