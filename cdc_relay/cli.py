@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 import uuid
@@ -33,7 +34,7 @@ from cdc_relay.poller import (
     prune,
     retry_dead_letters,
 )
-from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE
+from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.sink import producer_config
 from cdc_relay.slot import SlotSpec, drop, setup, status
 from cdc_relay.stream import StreamRelay, StreamSettings
@@ -48,6 +49,37 @@ def _option(name: str, *more: str, **kwargs: Any) -> Callable[[F], F]:
 
 def _dsn(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return checked_dsn(value)
+
+
+def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    return check_template(value)
+
+
+class Seconds(click.FloatRange):
+    """A duration in seconds within a range. NaN is refused too, which a plain FloatRange
+    lets through (every comparison with NaN is false), and so is infinity."""
+
+    name = "seconds"
+
+    def __init__(self, low: float, high: float) -> None:
+        super().__init__(low, high)
+        self.low, self.high = low, high
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, float):
+            seconds = value
+        else:
+            try:
+                seconds = float(value)
+            except (TypeError, ValueError):
+                seconds = math.nan
+        if not math.isfinite(seconds) or not self.low <= seconds <= self.high:
+            self.fail(
+                f"{value!r} is not a number of seconds from {self.low:g} to {self.high:g}",
+                param,
+                ctx,
+            )
+        return seconds
 
 
 _DSN = _option(
@@ -149,18 +181,23 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
                     "--kafka-config",
                     multiple=True,
                     metavar="KEY=VALUE",
-                    help="A librdkafka setting (repeatable), e.g. security.protocol=SASL_SSL.",
+                    help="A librdkafka setting (repeatable), e.g. security.protocol=SASL_SSL; "
+                    "key: value and key value work too. Passwords go in "
+                    "CDC_RELAY_KAFKA_SASL_PASSWORD or the file, not here.",
                 ),
                 _option(
                     "--kafka-config-file",
                     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                    help="A properties file of librdkafka settings; --kafka-config wins over it.",
+                    help="A properties file of librdkafka settings (key=value, key: value or "
+                    "key value, as Java reads them); --kafka-config wins over it.",
                 ),
                 _option(
                     "--topic-template",
                     default=DEFAULT_TOPIC_TEMPLATE,
                     show_default=True,
-                    help="Topic of each event; may use {aggregate_type} and {event_type}.",
+                    callback=_topic_template,
+                    help="Topic of each event; may use {aggregate_type} and {event_type}, as "
+                    "they are (no conversion or format spec), and {{ }} for braces.",
                 ),
                 _option(
                     "--tombstone-on-empty-payload",
@@ -170,7 +207,7 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
                 ),
                 _option(
                     "--kafka-timeout",
-                    type=click.FloatRange(0.1, 3600),
+                    type=Seconds(0.1, 3600),
                     default=15.0,
                     show_default=True,
                     help="Seconds to wait for a broker to answer at start-up.",
@@ -186,14 +223,14 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
 def run_options(func: F) -> F:
     func = _option(
         "--shutdown-timeout",
-        type=click.FloatRange(0, 3600),
+        type=Seconds(0, 3600),
         default=30.0,
         show_default=True,
         help="Seconds to wait for Kafka's acks when stopping.",
     )(func)
     return _option(
         "--progress-interval",
-        type=click.FloatRange(0.5, 86400),
+        type=Seconds(0.5, 86400),
         default=10.0,
         show_default=True,
         help="Seconds between progress lines in the log.",
@@ -382,7 +419,7 @@ def _count(value: int | None) -> str:
 @kafka_options()
 @_option(
     "--status-interval",
-    type=click.FloatRange(0.1, 3600),
+    type=Seconds(0.1, 3600),
     default=10.0,
     show_default=True,
     help="Seconds between standby status updates; keep well under wal_sender_timeout.",
@@ -415,6 +452,12 @@ def _count(value: int | None) -> str:
     "headers, and go on; without it the relay stops at such an event.",
 )
 @_option(
+    "--ignore-other-tables",
+    is_flag=True,
+    help="Skip rows of tables other than the outbox that the publication publishes (each "
+    "logged) instead of stopping at the first.",
+)
+@_option(
     "--standby",
     is_flag=True,
     help="When another relay streams the slot, wait and take over as soon as it stops or "
@@ -440,6 +483,7 @@ def stream(
     message_prefix: str,
     tombstone_on_empty_payload: bool,
     dead_letter_topic: str | None,
+    ignore_other_tables: bool,
     standby: bool,
     metrics_port: int,
     metrics_host: str,
@@ -469,6 +513,7 @@ def stream(
         tombstone_on_empty=tombstone_on_empty_payload,
         dead_letter_topic=dead_letter_topic,
         standby=standby,
+        ignore_other_tables=ignore_other_tables,
     )
     relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -496,7 +541,7 @@ def stream(
 )
 @_option(
     "--poll-interval",
-    type=click.FloatRange(0.05, 3600),
+    type=Seconds(0.05, 3600),
     default=5.0,
     show_default=True,
     help="Seconds between claims when no notification comes (sql/poller.sql's trigger "
@@ -511,14 +556,14 @@ def stream(
 )
 @_option(
     "--backoff-base",
-    type=click.FloatRange(0.001, 86400),
+    type=Seconds(0.001, 86400),
     default=1.0,
     show_default=True,
     help="Seconds before a failed row is tried again; doubles with every attempt, jittered.",
 )
 @_option(
     "--backoff-max",
-    type=click.FloatRange(0.001, 86400),
+    type=Seconds(0.001, 86400),
     default=300.0,
     show_default=True,
     help="The longest wait between two tries of a row.",
@@ -641,19 +686,23 @@ def dead_letters_retry(dsn: str, table: str, ids: tuple[str, ...], retry_all: bo
         )
 
 
-_AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_MAX_AGE = timedelta(days=36525)  # 100 years: past it an age is a typo, and timedelta overflows
 
 
 def _age(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
-    """An age such as 90s, 30m, 12h, 7d or 2w."""
+    """An age such as 90s, 30m, 12h, 7d or 2w, from 0 to 100 years."""
     unit = _AGE_UNITS.get(value.strip()[-1:])
     try:
-        amount = float(value.strip()[:-1])
+        seconds = float(value.strip()[:-1]) * (unit or math.nan)
     except ValueError:
-        unit = None
-    if unit is None or amount < 0:
-        raise click.BadParameter(f"{value!r} is not an age; write it like 90s, 30m, 12h, 7d or 2w")
-    return timedelta(**{unit: amount})
+        seconds = math.nan
+    if not 0 <= seconds <= _MAX_AGE.total_seconds():  # NaN included
+        raise click.BadParameter(
+            f"{value!r} is not an age from 0s to 100 years ({_MAX_AGE.days}d); "
+            "write it like 90s, 30m, 12h, 7d or 2w"
+        )
+    return timedelta(seconds=seconds)
 
 
 @cli.command("prune")
@@ -663,7 +712,7 @@ def _age(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
     required=True,
     metavar="AGE",
     callback=_age,
-    help="Delete rows processed longer ago than this: 90s, 30m, 12h, 7d, 2w.",
+    help="Delete rows processed longer ago than this: 90s, 30m, 12h, 7d, 2w (at most 100 years).",
 )
 @click.option(
     "--batch-size",

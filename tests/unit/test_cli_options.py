@@ -1,0 +1,96 @@
+"""Options are refused while they are parsed, before a connection is tried: one line, no
+traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cdc_relay.cli import Seconds, _age, cli
+from cdc_relay.errors import UsageError
+
+# Enough for each command to get past its required options if a bad value slipped through.
+REQUIRED = ["--dsn", "host=db.invalid", "--kafka-bootstrap", "kafka.invalid:9092"]
+
+
+def commands(
+    group: click.Group = cli, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from commands(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def seconds_options() -> list[tuple[tuple[str, ...], str]]:
+    return [
+        (path, param.opts[0])
+        for path, command in commands()
+        for param in command.params
+        if isinstance(param.type, click.FloatRange)
+    ]
+
+
+def test_every_float_option_is_seconds() -> None:
+    options = seconds_options()
+    assert {name for _, name in options} >= {
+        "--status-interval",
+        "--shutdown-timeout",
+        "--kafka-timeout",
+        "--progress-interval",
+        "--poll-interval",
+        "--backoff-base",
+        "--backoff-max",
+    }
+    for path, name in options:
+        command = dict(commands())[path]
+        (param,) = (p for p in command.params if p.opts[0] == name)
+        assert isinstance(param.type, Seconds), (path, name)
+
+
+@pytest.mark.parametrize(("path", "option"), seconds_options())
+@pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf", "1e999", "ten"])
+def test_seconds_refuse_what_is_not_a_finite_number_in_range(
+    path: tuple[str, ...], option: str, value: str
+) -> None:
+    # the option first: click checks options in the order they were given
+    result = CliRunner().invoke(cli, [*path, option, value, *REQUIRED])
+    assert result.exit_code == 2, result.output
+    assert f"{value!r} is not a number of seconds from" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_seconds_keep_their_range() -> None:
+    seconds = Seconds(0.1, 3600)
+    assert seconds.convert("0.1", None, None) == 0.1
+    assert seconds.convert(3600.0, None, None) == 3600
+    for value in ("0.05", "3600.5", "nan"):
+        with pytest.raises(click.BadParameter, match=r"from 0\.1 to 3600"):
+            seconds.convert(value, None, None)
+
+
+@pytest.mark.parametrize("text", ["nand", "infd", "-infs", "1e12d", "36526d", "5219w", "nan"])
+def test_prune_ages_must_be_finite_and_at_most_100_years(text: str) -> None:
+    with pytest.raises(click.BadParameter, match="is not an age from 0s to 100 years"):
+        _age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text)
+    result = CliRunner().invoke(cli, ["prune", "--older-than", text, "--dsn", "host=db.invalid"])
+    assert result.exit_code == 2
+    assert "is not an age" in result.output
+
+
+def test_prune_ages_up_to_100_years() -> None:
+    age = _age(click.Context(click.Command("prune")), click.Option(["--older-than"]), "36525d")
+    assert age == timedelta(days=36525)
+
+
+@pytest.mark.parametrize("template", ["outbox.{}", "{aggregate_type!r}", "{aggregate_type:d}"])
+@pytest.mark.parametrize("command", ["stream", "poll", "setup-slot"])
+def test_a_bad_topic_template_is_refused_while_parsing(command: str, template: str) -> None:
+    result = CliRunner().invoke(cli, [command, "--topic-template", template, *REQUIRED])
+    assert isinstance(result.exception, UsageError)
+    assert "may use {aggregate_type} and {event_type}" in str(result.exception)
