@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import setproctitle
 
 from cdc_relay import __version__, logs
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
     DEFAULT_TABLE,
+    SAFER_PLACES,
     checked_dsn,
     env,
+    hide_passwords,
     kafka_settings,
 )
 from cdc_relay.errors import RelayError, UsageError
@@ -735,8 +738,29 @@ def prune_command(dsn: str, table: str, older_than: timedelta, batch_size: int) 
     )
 
 
+def hide_passwords_from_the_process_list(argv: list[str]) -> None:
+    """Rewrite the process title when ``argv`` carries a password, with ``***`` for it, and
+    warn: every user of the host reads a command line in ps and /proc/PID/cmdline."""
+    hidden, options = hide_passwords(argv)
+    if hidden == argv:
+        return
+    title = " ".join(hidden)
+    name = setproctitle.getthreadtitle()
+    # setproctitle overwrites the memory of the original argv, which is what the kernel shows
+    setproctitle.setproctitle(title)
+    setproctitle.setthreadtitle(name)  # keep the short name (pgrep, top) it changed as well
+    shown = "until start-up hid it" if setproctitle.getproctitle() == title else "all along"
+    for option in options:
+        click.echo(
+            f"cdc-relay: warning: a password in {option} could be read in the process list "
+            f"{shown}; give it through {SAFER_PLACES[option]} instead",
+            err=True,
+        )
+
+
 def main() -> None:
     """Console entry point: user-facing errors become one line on stderr, not a traceback."""
+    hide_passwords_from_the_process_list(sys.orig_argv)
     try:
         code = cli.main(prog_name="cdc-relay", standalone_mode=False)
     except RelayError as exc:

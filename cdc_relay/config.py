@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from psycopg import ProgrammingError
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc_relay.errors import UsageError
 
@@ -103,3 +104,65 @@ def checked_dsn(dsn: str) -> str:
             "because it may contain the password"
         ) from None
     return dsn
+
+
+HIDDEN = "***"
+# librdkafka's sensitive settings whose names say neither password nor secret
+_SECRET_SETTINGS = frozenset({"ssl.key.pem", "sasl.oauthbearer.config"})
+
+# What a warning about a password on the command line tells to do instead, by option.
+SAFER_PLACES = {
+    "--dsn": "PGPASSWORD, a .pgpass file, or CDC_RELAY_DSN in the environment",
+    "--kafka-config": f"{SASL_PASSWORD_ENV} or a properties file (--kafka-config-file)",
+}
+
+
+def hide_passwords(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` with the password of every ``--dsn`` and the secret of every ``--kafka-config``
+    setting (sasl.password and the like) replaced by ``***``; and the options that
+    carried one. A --dsn libpq cannot parse is hidden whole: where its password is, is unknown
+    (start-up refuses it anyway)."""
+    hidden: list[str] = []
+    found: list[str] = []
+    for previous, arg in zip(["", *argv], argv, strict=False):
+        if previous in SAFER_PLACES:  # --dsn VALUE
+            option, prefix, value = previous, "", arg
+        else:  # --dsn=VALUE
+            option, equals, value = arg.partition("=")
+            prefix = option + equals
+            if option not in SAFER_PLACES or not equals:
+                hidden.append(arg)
+                continue
+        masked = _hide_dsn_password(value) if option == "--dsn" else _hide_secret_setting(value)
+        if masked is None:
+            hidden.append(arg)
+            continue
+        hidden.append(prefix + masked)
+        if masked != HIDDEN and option not in found:
+            found.append(option)
+    return hidden, found
+
+
+def _hide_dsn_password(dsn: str) -> str | None:
+    """``dsn`` with ``***`` for its password, or None when it has none."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except ProgrammingError:
+        return HIDDEN
+    secrets = [key for key in ("password", "sslpassword") if key in params]
+    if not secrets:
+        return None
+    masked: dict[str, Any] = {**params, **dict.fromkeys(secrets, HIDDEN)}
+    return make_conninfo("", **masked)
+
+
+def _hide_secret_setting(pair: str) -> str | None:
+    """A ``--kafka-config`` setting with ``***`` for its value when it is a secret, else None."""
+    try:
+        key, _ = _pair(pair, "--kafka-config")
+    except UsageError:
+        return None  # refused at start-up without being shown
+    name = key.lower()
+    if name not in _SECRET_SETTINGS and "password" not in name and "secret" not in name:
+        return None
+    return f"{key}={HIDDEN}"

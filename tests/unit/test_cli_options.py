@@ -10,6 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from cdc_relay import cli as cli_module
 from cdc_relay.cli import Seconds, _age, cli
 from cdc_relay.errors import UsageError
 
@@ -94,3 +95,53 @@ def test_a_bad_topic_template_is_refused_while_parsing(command: str, template: s
     result = CliRunner().invoke(cli, [command, "--topic-template", template, *REQUIRED])
     assert isinstance(result.exception, UsageError)
     assert "may use {aggregate_type} and {event_type}" in str(result.exception)
+
+
+class FakeTitle:
+    """setproctitle's functions, on a title of our own."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, works: bool = True) -> None:
+        self.titles: list[str] = []
+        self.works = works
+        for name in ("setproctitle", "getproctitle", "setthreadtitle", "getthreadtitle"):
+            monkeypatch.setattr(cli_module.setproctitle, name, getattr(self, name))
+
+    def setproctitle(self, title: str) -> None:
+        self.titles.append(title)
+
+    def getproctitle(self) -> str:
+        return self.titles[-1] if self.works else "python"
+
+    def setthreadtitle(self, title: str) -> None:
+        assert title == "cdc-relay"
+
+    def getthreadtitle(self) -> str:
+        return "cdc-relay"
+
+
+def test_a_password_in_the_dsn_is_hidden_from_the_process_title(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    title = FakeTitle(monkeypatch)
+    argv = ["python", "-m", "cdc_relay", "stream", "--dsn", "host=db password=hunter2"]
+    cli_module.hide_passwords_from_the_process_list(argv)
+    assert title.titles == ["python -m cdc_relay stream --dsn password=*** host=db"]
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert warning.startswith("cdc-relay: warning: a password in --dsn")
+    assert "until start-up hid it" in warning
+    assert "PGPASSWORD, a .pgpass file, or CDC_RELAY_DSN" in warning
+
+    cli_module.hide_passwords_from_the_process_list(["cdc-relay", "stream", "--dsn", "host=db"])
+    assert len(title.titles) == 1  # no password: the title is left alone
+    assert capsys.readouterr().err == ""
+
+
+def test_the_warning_does_not_claim_a_title_it_could_not_set(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    FakeTitle(monkeypatch, works=False)
+    argv = ["cdc-relay", "poll", "--kafka-config", "sasl.password=hunter2"]
+    cli_module.hide_passwords_from_the_process_list(argv)
+    (warning,) = capsys.readouterr().err.splitlines()
+    assert "--kafka-config could be read in the process list all along" in warning
+    assert "CDC_RELAY_KAFKA_SASL_PASSWORD" in warning

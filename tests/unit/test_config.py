@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cdc_relay.config import checked_dsn, env, kafka_settings
+from cdc_relay.config import checked_dsn, env, hide_passwords, kafka_settings
 from cdc_relay.errors import UsageError
 from cdc_relay.lsn import format_lsn, parse
 from cdc_relay.sink import producer_config
@@ -122,3 +122,47 @@ def test_an_unreadable_properties_file_is_a_usage_error(tmp_path: Path) -> None:
     props.write_bytes(b"sasl.password=\xff\n")
     with pytest.raises(UsageError, match="cannot read --kafka-config-file"):
         kafka_settings([], props, {})
+
+
+@pytest.mark.parametrize(
+    ("argv", "hidden"),
+    [
+        (
+            ["cdc-relay", "stream", "--dsn", "host=db password=hunter2 user=relay"],
+            ["cdc-relay", "stream", "--dsn", "user=relay password=*** host=db"],
+        ),
+        (
+            ["cdc-relay", "poll", "--dsn=postgresql://relay:hunter2@db/shop", "--workers", "2"],
+            [
+                "cdc-relay",
+                "poll",
+                "--dsn=user=relay password=*** dbname=shop host=db",
+                "--workers",
+                "2",
+            ],
+        ),
+        (
+            ["x", "--dsn", "host=db sslpassword=hunter2"],
+            ["x", "--dsn", "host=db sslpassword=***"],
+        ),
+        (
+            ["x", "--kafka-config", "sasl.password: hunter2", "--kafka-config=ssl.key.pem=hunter2"],
+            ["x", "--kafka-config", "sasl.password=***", "--kafka-config=ssl.key.pem=***"],
+        ),
+    ],
+)
+def test_hide_passwords_replaces_each_one(argv: list[str], hidden: list[str]) -> None:
+    masked, options = hide_passwords(argv)
+    assert masked == hidden
+    assert options == [o for o in ("--dsn", "--kafka-config") if any(o in a for a in argv)]
+    assert "hunter2" not in " ".join(masked)
+
+
+def test_hide_passwords_leaves_a_command_line_without_one_alone() -> None:
+    argv = ["x", "stream", "--dsn", "host=db user=relay", "--kafka-config", "linger.ms=5"]
+    assert hide_passwords(argv) == (argv, [])
+    # one libpq cannot parse is hidden whole (start-up refuses it, without a warning first)
+    assert hide_passwords(["x", "--dsn", "postgresql://u:hunter2@[::1/db"]) == (
+        ["x", "--dsn", "***"],
+        [],
+    )

@@ -1,0 +1,64 @@
+"""A password given in --dsn does not stay in the process list: /proc/PID/cmdline, which ps
+shows to every user of the host, no longer holds it once the relay has started."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+WORD = f"hunter2-{uuid.uuid4().hex[:8]}"  # the password, and nothing else has it
+
+
+def test_a_password_in_dsn_is_gone_from_proc_cmdline(tmp_path: Path) -> None:
+    if not Path("/proc/self/cmdline").exists():
+        pytest.skip("no /proc")
+    # A "server" that takes the connection and never answers: the relay waits in its first
+    # connection attempt until connect_timeout, alive and already past start-up's rewrite.
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(60)
+        port = server.getsockname()[1]
+        dsn = (
+            f"host=127.0.0.1 port={port} user=relay dbname=shop password={WORD} "
+            "connect_timeout=30 sslmode=disable gssencmode=disable"
+        )
+        with subprocess.Popen(
+            [sys.executable, "-m", "cdc_relay", "stream", "--dsn", dsn],
+            env={
+                "CDC_RELAY_KAFKA_BOOTSTRAP": "127.0.0.1:1",
+                "PATH": "/usr/bin:/bin",
+                "HOME": str(tmp_path),
+            },
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as relay:
+            try:
+                connection, _ = server.accept()  # the relay is connecting: start-up is over
+                with connection:
+                    cmdline = Path(f"/proc/{relay.pid}/cmdline").read_bytes()
+                    comm = Path(f"/proc/{relay.pid}/comm").read_text().strip()
+                    ps = subprocess.run(
+                        ["ps", "-o", "args=", "-p", str(relay.pid)],
+                        capture_output=True,
+                        text=True,
+                        check=False,
+                    ).stdout
+            finally:
+                relay.kill()
+                _, stderr = relay.communicate(timeout=30)
+    assert WORD.encode() not in cmdline
+    assert b"cdc_relay stream --dsn " in cmdline
+    assert b"password=***" in cmdline
+    assert WORD not in ps
+    assert Path(sys.executable).name.startswith(comm)  # the short name pgrep and top show
+    assert "password=***" in ps or not ps  # ps may be missing on a slim machine
+    assert stderr.startswith("cdc-relay: warning: a password in --dsn"), stderr
+    assert WORD not in stderr
