@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -13,7 +14,6 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
-from cdc_relay.lsn import format_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ReplicationConnection
 
@@ -45,8 +45,14 @@ class OutboxTable:
 
     @property
     def qualified(self) -> str:
-        """``schema.name``, each quoted where SQL needs it."""
-        return sql.Identifier(self.schema, self.name).as_string()
+        """``schema.name``, each quoted only where SQL needs it."""
+        return f"{_ident(self.schema)}.{_ident(self.name)}"
+
+
+def _ident(name: str) -> str:
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
+        return name
+    return '"' + name.replace('"', '""') + '"'
 
 
 def find_table(conn: psycopg.Connection[dict[str, Any]], table: str) -> OutboxTable | None:
@@ -221,12 +227,27 @@ def setup(dsn: str, spec: SlotSpec, dry_run: bool = False, create_slot: bool = T
 
 @contextmanager
 def exported_snapshot(dsn: str, spec: SlotSpec) -> Iterator[tuple[str, str]]:
-    """Create the slot and yield its consistent point and the name of the snapshot it starts
-    from; the snapshot can be imported (``SET TRANSACTION SNAPSHOT``) inside the block."""
+    """Create ``spec.slot`` as a temporary slot and yield its consistent point and the name of
+    the snapshot it starts from; the snapshot can be imported (``SET TRANSACTION SNAPSHOT``)
+    inside the block.
+
+    The slot lives as long as the block, busy all along: a temporary slot belongs to the
+    session that created it, so no relay can stream it, and PostgreSQL drops it when that
+    session ends, however it ends (a killed process leaves no slot behind). To keep it, copy
+    it inside the block (``pg_copy_logical_replication_slot``): the copy starts at the same
+    position.
+    """
     conn = ReplicationConnection(dsn)
     try:
-        lsn, snapshot = conn.create_slot_exporting_snapshot(spec.slot, spec.plugin)
-        yield format_lsn(lsn), snapshot
+        # The options as PostgreSQL 14 spells them, which later versions still read.
+        command = (
+            f"CREATE_REPLICATION_SLOT {sql.Identifier(spec.slot).as_string()} TEMPORARY "
+            f"LOGICAL {sql.Identifier(spec.plugin).as_string()} EXPORT_SNAPSHOT"
+        )
+        ((_, consistent_point, snapshot, _),) = conn.query(command)
+        if consistent_point is None or snapshot is None:
+            raise PreflightError(f"creating slot {spec.slot} exported no snapshot")
+        yield consistent_point, snapshot
     finally:
         conn.close()
 
