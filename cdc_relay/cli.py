@@ -368,10 +368,12 @@ def status_command(
 
     With thresholds it is a check for scripts and cron: exit 3 when one is crossed.
     """
-    state = status(dsn, slot, table)
+    state = status(dsn, slot, table, publication)
     alerts = []
     if not state["exists"]:
         alerts.append(f"slot {slot} does not exist")
+    if state["publication_problem"]:
+        alerts.append(state["publication_problem"])
     if require_active and not state["active"]:
         alerts.append(f"no relay is streaming slot {slot}")
     for key, limit, what in (
@@ -391,6 +393,14 @@ def status_command(
             ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
             ("WAL retained", _bytes(state["wal_retained_bytes"])),
             ("outbox table", state["table"]),
+            (
+                "publication",
+                f"{publication} (does not cover the table)"
+                if state["publication_problem"]
+                else f"{publication}"
+                if state["plugin"] == "pgoutput"
+                else "-",
+            ),
             ("unprocessed rows", _count(state["unprocessed_rows"])),
             ("dead letters", _count(state["dead_letters"])),
         ]

@@ -265,11 +265,18 @@ def _check_slot(spec: SlotSpec, database: str, slot: dict[str, Any]) -> None:
         )
 
 
-def status(dsn: str, slot_name: str, table: str) -> dict[str, Any]:
+def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, Any]:
     """The slot's state and the outbox's counts, for ``cdc-relay status``."""
     with connect(dsn) as conn:
         slot = _one(conn, "slot", slot=slot_name)
         found = _one(conn, "table", table=table)
+        outbox = find_table(conn, table)
+        # Only a pgoutput slot reads the publication.
+        publication_problem = (
+            coverage_problem(conn, publication, outbox)
+            if outbox is not None and slot.get("plugin") == "pgoutput"
+            else None
+        )
         counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
         if found:
             statement = sql.SQL(QUERIES["unprocessed_count"]).format(table=sql.SQL(found["name"]))
@@ -285,6 +292,8 @@ def status(dsn: str, slot_name: str, table: str) -> dict[str, Any]:
         "confirmed_flush_lsn": slot.get("confirmed_flush_lsn"),
         "wal_retained_bytes": slot.get("retained_bytes"),
         "table": found.get("name") if found else table,
+        "publication": publication,
+        "publication_problem": publication_problem,
         "unprocessed_rows": counts.get("unprocessed"),
         "dead_letters": counts.get("dead_letters"),
     }

@@ -6,6 +6,8 @@ event it did not relay."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,17 @@ def test_the_table_dropped_from_the_publication_stops_the_relay_before_the_slot_
         relay.close()
     # Not past the insert the publication did not carry: an operator can still republish it.
     assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    # `status` says so, as an alert (exit 3).
+    shown = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "status", "--dsn", outbox_db, "--slot", names.slot]
+        + ["--publication", names.publication],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert shown.returncode == 3, shown
+    assert "(does not cover the table)" in shown.stdout
+    assert f"ALTER PUBLICATION {names.publication} ADD TABLE" in shown.stderr
     # Started again, the relay refuses at once with the same remedy.
     again = _relay(tmp_path, outbox_db, kafka_service, names).start()
     try:
