@@ -1,6 +1,6 @@
 """The LSN tracker: which WAL position is safe to confirm to PostgreSQL.
 
-The rule (DESIGN.md, invariant 1): confirm the end LSN of the newest transaction whose
+The rule (ARCHITECTURE.md, the LSN rule): confirm the end LSN of the newest transaction whose
 events, and those of every earlier transaction, Kafka has acknowledged. With nothing in
 flight, the position of the last keepalive may be confirmed, so an idle outbox never pins WAL.
 

@@ -82,7 +82,7 @@ def test_broker_down_confirms_nothing_unacknowledged_and_delivers_after_restart(
     setup_slot(outbox_db, names)
     # A short wal_sender_timeout and a tiny producer queue: while the broker is down the
     # relay sits in back-pressure, and only its status updates keep the walsender from
-    # cutting it off (DESIGN.md, invariant 6).
+    # cutting it off (ARCHITECTURE.md, invariant 6).
     dsn = f"{outbox_db} options='-c wal_sender_timeout=2s'"
     env = relay_env(dsn, kafka_service.bootstrap, names)
     env["CDC_RELAY_KAFKA_CONFIG"] = "queue.buffering.max.messages=10"
