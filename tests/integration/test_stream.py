@@ -419,3 +419,64 @@ def test_postgres_restart_mid_stream_reconnects_by_itself_and_loses_nothing(
     assert relay.alive()
     assert verdict.lost == []
     assert verdict.out_of_order == []
+
+
+def test_a_database_not_encoded_in_utf8_is_refused_with_the_remedy(
+    postgres_service: Any, names: Any
+) -> None:
+    name = f"latin_{names.suffix}"
+    with psycopg.connect(postgres_service.dsn, autocommit=True) as conn:
+        conn.execute(
+            f"CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' "
+            "TEMPLATE template0"
+        )
+    dsn = postgres_service.dsn_for(name)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(Path(__file__).parents[2].joinpath("sql", "outbox.sql").read_bytes())
+        for command in ("setup-slot", "stream"):
+            args = ["--dsn", dsn, "--slot", names.slot, "--kafka-bootstrap", "127.0.0.1:1"]
+            done = subprocess.run(
+                [sys.executable, "-m", "cdc_relay", command, *args],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            assert done.returncode == 1, done
+            assert done.stderr.startswith(f"cdc-relay: error: database {name} is encoded in LATIN1")
+            assert len(done.stderr.strip().splitlines()) == 1
+    finally:
+        with psycopg.connect(postgres_service.dsn, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE {name} WITH (FORCE)")
+
+
+def test_a_slot_dropped_while_the_relay_reconnects_stops_it_with_the_remedy(
+    relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    relay.start()
+    writer = Writer(outbox_db)
+    writer.transaction([("order", "a", {"n": 1})])
+    consume(kafka_service.bootstrap, names.topic_prefix, expected=1, settle=0)
+    writer.close()
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        # Cut the walsender and drop the slot before the relay's reconnect takes it again.
+        for _ in range(50):
+            conn.execute(
+                "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots "
+                "WHERE slot_name = %s AND active_pid IS NOT NULL",
+                (names.slot,),
+            )
+            try:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (names.slot,))
+                break
+            except psycopg.errors.ObjectInUse:
+                time.sleep(0.05)
+        else:
+            raise AssertionError("the slot could not be dropped")
+    assert relay.wait(60) == 1, relay.log()
+    last = relay.log().strip().splitlines()[-1]
+    assert last == (
+        f"cdc-relay: error: replication slot '{names.slot}' does not exist; run cdc-relay "
+        "setup-slot first"
+    ), relay.log()
+    assert "Traceback" not in relay.log()
