@@ -132,9 +132,9 @@ def test_the_table_dropped_from_the_publication_stops_the_relay_before_the_slot_
     # Not past the insert the publication did not carry: an operator can still republish it.
     assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
     # `status` says so, as an alert (exit 3).
+    args = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
     shown = subprocess.run(
-        [sys.executable, "-m", "cdc_relay", "status", "--dsn", outbox_db, "--slot", names.slot]
-        + ["--publication", names.publication],
+        [sys.executable, "-m", "cdc_relay", "status", *args],
         capture_output=True,
         text=True,
         check=False,
