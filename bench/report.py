@@ -35,13 +35,6 @@ def _first(path: str, prefix: str) -> str | None:
     return None
 
 
-def load_average() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "unknown"
-
-
 def _os_name() -> str:
     try:
         for line in Path("/etc/os-release").read_text().splitlines():
@@ -87,7 +80,6 @@ def describe_machine(postgres_dsn: str) -> dict[str, Any]:
         "memory_gib": round(int(memory_kib.split()[0]) / 2**20, 1) if memory_kib else None,
         "kernel": f"{platform.system()} {platform.release()} {platform.machine()}",
         "os": _os_name(),
-        "load_average_start": load_average(),
         "postgresql": settings.pop("server_version", "unknown"),
         "postgresql_settings": settings,
         "kafka": KAFKA_VERSION,
@@ -161,19 +153,47 @@ def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _load_lines(data: dict[str, Any]) -> list[str]:
+    """Whether the run was noisy, and why: nothing for a quiet run or older results."""
+    figures = data.get("load")
+    if not figures or figures.get("noisy") is False:
+        return []
+    if figures.get("noisy") is None:
+        return [
+            "**Load unknown**: the load average could not be read, so whether other work "
+            "shared the cores is not known.",
+            "",
+        ]
+    start, end = figures["start"], figures.get("end")
+    kind = (
+        "a full run started with --allow-noisy"
+        if figures.get("full_run")
+        else "a small run, which goes on whatever the load"
+    )
+    at_end = f" and {end[0]:.2f} at the end, the run's own work included" if end else ""
+    return [
+        f"**Noisy run**: the 1-minute load average was {start[0]:.2f} at the start (a quiet "
+        f"run starts at {figures['quiet']:.1f} or less){at_end}; {kind}. Other work shared "
+        "the cores, and these figures measure it too.",
+        "",
+    ]
+
+
 def markdown(data: dict[str, Any]) -> str:
     m = data["machine"]
     s = data["settings"]
     rows = data["results"]
     pg = m["postgresql_settings"]
+    noisy = (data.get("load") or {}).get("noisy")
     out = [
-        f"# cdc-relay benchmark, {m['date']}",
+        f"# cdc-relay benchmark, {m['date']}{' (noisy)' if noisy else ''}",
         "",
         f"**Machine**: {m['cpu_model']}, {m['cores']} cores, {m['memory_gib']} GiB memory, "
         f"{m['kernel']}, {m['os']}; load average {m['load_average_start']} at the start, "
         f"{m.get('load_average_end', '?')} at the end (all services and contestants share "
         "these cores).",
         "",
+        *_load_lines(data),
         f"**Software**: PostgreSQL {m['postgresql']} "
         f"({', '.join(f'{k}={v}' for k, v in pg.items())}); Kafka {m['kafka']} (single-node "
         f"KRaft broker, and Connect for Debezium); {m['java']}; {m['python']}; "
@@ -291,7 +311,15 @@ def plot(data: dict[str, Any], path: Path) -> None:
     right.set_ylabel("ms (log scale)")
     right.set_title(f"End-to-end latency at {data['settings']['rate']:,} events/s")
     right.legend()
-    fig.suptitle(f"cdc-relay benchmark {data['machine']['date']}, {data['machine']['cpu_model']}")
+    m = data["machine"]
+    title = f"cdc-relay benchmark {m['date']}, {m['cpu_model']}"
+    figures = data.get("load") or {}
+    if figures.get("noisy"):
+        title += (
+            f"\nNOISY: load average {figures['start'][0]:.2f} at the start "
+            f"(quiet: at most {figures['quiet']:.1f})"
+        )
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

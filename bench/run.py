@@ -4,6 +4,9 @@ python -m bench.run                                  # the full size (make bench
 python -m bench.run --events 20000 --duration 10     # a quick run
 python -m bench.run --contestants stream,debezium --workloads backlog
 python -m bench.run --list                           # which contestants can run here
+
+A full run (see ``full_run``) is refused while the machine's load average is above
+``bench.load.QUIET``, unless ``--allow-noisy`` is given.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench import report, trials
+from bench import load, report, trials
 from bench.contestants import CONTESTANTS, Contestant, Stream
 from bench.kafka import PARTITIONS
 from bench.trials import Services, TrialFailed
@@ -28,6 +31,13 @@ from cdc_relay.devstack.postgres import LocalPostgres
 
 RESULTS = Path(__file__).with_name("results")
 WORKLOADS = ("backlog", "steady")
+
+EVENTS = 1_000_000
+"""The backlog of a full run."""
+DURATION = 60.0
+"""The measured seconds of the steady workload in a full run."""
+PROFILE_EVENTS = 200_000
+"""The profile's backlog in a full run."""
 
 # The bench cluster: fsync off as in every devstack cluster; room for a whole backlog's WAL
 # without a checkpoint in the middle of a trial (each trial starts right after one).
@@ -146,10 +156,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m bench.run", description=__doc__.split("\n\n")[0] if __doc__ else None
     )
     names = [c.name for c in CONTESTANTS]
-    parser.add_argument("--events", type=int, default=1_000_000, help="backlog size")
+    parser.add_argument("--events", type=int, default=EVENTS, help="backlog size")
     parser.add_argument("--transaction-size", type=int, default=100, help="backlog, per COMMIT")
     parser.add_argument("--rate", type=int, default=5_000, help="steady events/s")
-    parser.add_argument("--duration", type=float, default=60.0, help="steady seconds")
+    parser.add_argument("--duration", type=float, default=DURATION, help="steady seconds")
     parser.add_argument(
         "--warmup",
         type=float,
@@ -171,8 +181,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--profile-events",
         type=int,
-        default=200_000,
-        help="its backlog (default 200,000, at most --events): enough for the hot spots",
+        default=PROFILE_EVENTS,
+        help=f"its backlog (default {PROFILE_EVENTS:,}, at most --events): the hot spots",
     )
     parser.add_argument("--profile-top", type=int, default=12, help="functions to report")
     parser.add_argument(
@@ -180,6 +190,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=1_000,
         help="each contestant first proves it delivers this many events (0: skip)",
+    )
+    parser.add_argument(
+        "--allow-noisy",
+        action="store_true",
+        help=f"run a full run even when the 1-minute load average is above {load.QUIET:.1f} "
+        "(the results say noisy)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--list", action="store_true", help="list contestants and exit")
@@ -195,6 +211,24 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def full_run(args: argparse.Namespace) -> list[str]:
+    """What makes this run a full one: each measurement it makes at its full size or larger.
+
+    Whichever contestants it runs: a backlog of ``EVENTS`` events, the steady workload measured
+    for ``DURATION`` seconds, a profile of ``PROFILE_EVENTS`` events. An empty list: a small
+    run, whose figures are not meant to stand beside a full run's.
+    """
+    full = []
+    if "backlog" in args.workload_list and args.events >= EVENTS:
+        full.append(f"backlog of {args.events:,} events")
+    if "steady" in args.workload_list and args.duration >= DURATION:
+        full.append(f"steady measured for {args.duration:g} s")
+    profiled = min(args.profile_events, args.events)
+    if args.profile and profiled >= PROFILE_EVENTS:
+        full.append(f"profile on a backlog of {profiled:,} events")
+    return full
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.list:
@@ -202,6 +236,14 @@ def main(argv: list[str] | None = None) -> int:
             reason = contestant.unavailable()
             print(f"{contestant.name:16} {'available' if reason is None else reason}")
         return 0
+    command = " ".join(["python -m bench.run", *(sys.argv[1:] if argv is None else argv)])
+    full = full_run(args)
+    load_start = load.read()
+    verdict = load.check(load_start, full, args.allow_noisy, command)
+    if verdict.message:
+        print(f"bench: {verdict.message}", file=sys.stderr, flush=True)
+    if not verdict.go:
+        return 2
     started = time.monotonic()
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     out = args.out / stamp
@@ -256,9 +298,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         broker.cleanup(keep_logs=True)
         postgres.cleanup(keep_logs=True)
-    machine["load_average_end"] = report.load_average()
+    load_end = load.read()
+    machine["load_average_start"] = load.text(load_start)
+    machine["load_average_end"] = load.text(load_end)
     data = {
         "machine": machine,
+        "load": {
+            "quiet": load.QUIET,
+            "start": load_start,
+            "end": load_end,
+            "noisy": verdict.noisy,
+            "full_run": full,
+            "allow_noisy": args.allow_noisy,
+        },
         "settings": {
             "events": args.events,
             "transaction_size": args.transaction_size,
@@ -268,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "steady_transaction_size": args.steady_transaction_size,
             "partitions": PARTITIONS,
             "preflight_events": args.preflight_events,
-            "command": " ".join(["python -m bench.run", *(argv or sys.argv[1:])]),
+            "command": command,
         },
         "results": results,
         "profile": profile,

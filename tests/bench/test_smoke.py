@@ -59,6 +59,11 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
 
     for key in MACHINE:
         assert data["machine"][key], key
+    # A small run: it goes on whatever the load, and says whether the machine was busy.
+    assert data["load"]["full_run"] == []
+    assert len(data["load"]["start"]) == len(data["load"]["end"]) == 3
+    assert data["load"]["noisy"] == (data["load"]["start"][0] > data["load"]["quiet"])
+    assert ("(noisy)" in table.splitlines()[0]) == data["load"]["noisy"]
     rows = {(row["contestant"], row["workload"]): row for row in data["results"]}
     assert set(rows) == {(c, w) for c in CONTESTANTS for w in ("backlog", "steady")}
     assert rows[("stream", "backlog")]["status"] == "ok"
