@@ -18,6 +18,13 @@ from typing import Any
 
 import psycopg
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, TopicPartition
+from confluent_kafka.admin import (
+    AdminClient,
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+    NewTopic,
+)
 
 from cdc_relay import pgoutput
 from cdc_relay.events import Insert
@@ -496,3 +503,23 @@ def check(written: Iterable[Written], received: list[Received], topic_prefix: st
         out_of_order=out_of_order,
         mismatched=mismatched,
     )
+
+
+# -- topics -----------------------------------------------------------------------------------
+
+
+def create_topics(bootstrap: str, topics: dict[str, dict[str, str]], partitions: int = 3) -> None:
+    """Create each topic (name -> topic configuration) with ``partitions`` partitions."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    new = [NewTopic(name, partitions, 1, config=config) for name, config in topics.items()]
+    for future in admin.create_topics(new, request_timeout=30).values():
+        future.result(timeout=30)
+
+
+def set_topic_config(bootstrap: str, topic: str, name: str, value: str) -> None:
+    """Set one configuration of a topic (incremental: the others stay as they are)."""
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    entry = ConfigEntry(name, value, incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[entry])
+    for future in admin.incremental_alter_configs([resource]).values():
+        future.result(timeout=30)
