@@ -18,6 +18,7 @@ import psycopg
 import cdc_relay
 from bench import debezium
 from bench.sql import QUERIES
+from bench.workload import RATE_SETTING, WORKLOADS, reached
 from cdc_relay.devstack.kafka import KAFKA_VERSION
 
 REPO = Path(__file__).parents[1]
@@ -132,7 +133,7 @@ def _backlog_table(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
+def _steady_table(rows: list[dict[str, Any]], target: float) -> list[str]:
     lines = [
         "| contestant | events/s (written) | p50 (ms) | p95 (ms) | p99 (ms) | max (ms) "
         "| CPU (s) | PostgreSQL CPU (s) | peak RSS (MiB) | WAL bytes/event | delivered |",
@@ -141,7 +142,10 @@ def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         ok = r["status"] == "ok"
         lat = (r.get("latency_ms") or {}) if ok else {}
-        rate = f"{_num(r.get('events_per_s'))} ({_num(r.get('write_rate'))})" if ok else NONE
+        written = _num(r.get("write_rate"))
+        if ok and r.get("write_rate") is not None and not reached(r["write_rate"], target):
+            written += ", short"
+        rate = f"{_num(r.get('events_per_s'))} ({written})" if ok else NONE
         lines.append(
             f"| {r['contestant']} | {rate} | {_num(lat.get('p50'), 1)} "
             f"| {_num(lat.get('p95'), 1)} | {_num(lat.get('p99'), 1)} "
@@ -151,6 +155,57 @@ def _steady_table(rows: list[dict[str, Any]]) -> list[str]:
             f"| {_num(r.get('wal_bytes_per_event')) if ok else NONE} | {_status(r)} |"
         )
     return lines
+
+
+def workloads_run(data: dict[str, Any]) -> list[str]:
+    """The workloads the run ran, in their order (older results name none: their rows do)."""
+    named = data["settings"].get("workloads")
+    if named is None:
+        named = {r["workload"] for r in data["results"]}
+    return [w for w in WORKLOADS if w in named]
+
+
+def _written(rows: list[dict[str, Any]]) -> list[int]:
+    """The rates a steady workload's writer reached, in the trials that ran to the end."""
+    return [r["write_rate"] for r in rows if r["status"] == "ok" and r.get("write_rate")]
+
+
+def _span(values: list[int]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:,}" if low == high else f"{low:,}\N{EN DASH}{high:,}"
+
+
+def steady_title(data: dict[str, Any], workload: str) -> str:
+    """What a steady workload was: its rate, the rate written when that fell short, its time.
+
+    The target is claimed only when every trial's writer reached it.
+    """
+    s = data["settings"]
+    target = s[RATE_SETTING[workload]]
+    rows = [r for r in data["results"] if r["workload"] == workload]
+    written = _written(rows)
+    duration = f"for {s['duration']:g} s"
+    if all(reached(w, target) for w in written):
+        return f"{target:,} events/s {duration}"
+    return f"{target:,} events/s targeted, {_span(written)} written, {duration}"
+
+
+def _steady_section(data: dict[str, Any], workload: str) -> list[str]:
+    s = data["settings"]
+    target = s[RATE_SETTING[workload]]
+    rows = [r for r in data["results"] if r["workload"] == workload]
+    lines = [f"## {workload.capitalize()}: {steady_title(data, workload)}", ""]
+    written = _written(rows)
+    short = [w for w in written if not reached(w, target)]
+    if short:
+        lines += [
+            f"The writer did not reach {target:,} events/s in {len(short)} of {len(written)} "
+            f"trials: it fell behind its schedule and wrote {_span(short)} events/s there "
+            "(*written*, marked short). Those trials' figures are at the rate written, not at "
+            f"{target:,} events/s.",
+            "",
+        ]
+    return lines + _steady_table(rows, target)
 
 
 def _load_lines(data: dict[str, Any]) -> list[str]:
@@ -184,7 +239,9 @@ def markdown(data: dict[str, Any]) -> str:
     s = data["settings"]
     rows = data["results"]
     pg = m["postgresql_settings"]
+    ran = workloads_run(data)
     noisy = (data.get("load") or {}).get("noisy")
+    high = f"; *steady-high*: the same at {s['high_rate']:,} events/s" if "high_rate" in s else ""
     out = [
         f"# cdc-relay benchmark, {m['date']}{' (noisy)' if noisy else ''}",
         "",
@@ -206,19 +263,28 @@ def markdown(data: dict[str, Any]) -> str:
         f"the contestant starts; *steady*: {s['rate']:,} events/s in transactions of "
         f"{s['steady_transaction_size']} while it runs: once a first event showed it delivers, "
         f"{s['warmup']:g} s of warm-up at that rate, then {s['duration']:g} s measured (every "
-        "event of both parts must arrive; the figures are the measured part's).",
+        f"event of both parts must arrive; the figures are the measured part's){high}.",
         "",
-        f"## Backlog: {s['events']:,} events",
-        "",
-        *_backlog_table([r for r in rows if r["workload"] == "backlog"]),
-        "",
-        f"## Steady: {s['rate']:,} events/s for {s['duration']:g} s",
-        "",
-        *_steady_table([r for r in rows if r["workload"] == "steady"]),
-        "",
+    ]
+    for workload in WORKLOADS:
+        if workload not in ran:
+            out += [f"## {workload.capitalize()}", "", "Not run.", ""]
+        elif workload == "backlog":
+            out += [
+                f"## Backlog: {s['events']:,} events",
+                "",
+                *_backlog_table([r for r in rows if r["workload"] == "backlog"]),
+                "",
+            ]
+        else:
+            out += [*_steady_section(data, workload), ""]
+    out += [
         "How to read them: *events/s* of the backlog is events divided by the time from the "
         "first to the last delivery (the broker's append times); *time to drain* runs from "
-        "the start of the contestant's process to the last delivery. Latency is the broker's "
+        "the start of the contestant's process to the last delivery. For a steady rate, "
+        "*events/s* is the measured events divided by the time from their first to their last "
+        "delivery, and *written* the rate the writer reached, *short* when it fell behind the "
+        "target. Latency is the broker's "
         "LogAppendTime of an event's first delivery minus the time the writer saw its COMMIT "
         "return, same clock, for every event. *CPU* is user + system seconds of the "
         "contestant's process tree: for the backlog over its whole run (start-up included), "

@@ -1,4 +1,4 @@
-"""``python -m bench.run``: every contestant on both workloads, on one machine, one run.
+"""``python -m bench.run``: every contestant on every workload, on one machine, one run.
 
 python -m bench.run                                  # the full size (make bench)
 python -m bench.run --events 20000 --duration 10     # a quick run
@@ -26,16 +26,16 @@ from bench import load, report, trials
 from bench.contestants import CONTESTANTS, Contestant, Stream
 from bench.kafka import PARTITIONS
 from bench.trials import Services, TrialFailed
+from bench.workload import RATE_SETTING, WORKLOADS
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.devstack.postgres import LocalPostgres
 
 RESULTS = Path(__file__).with_name("results")
-WORKLOADS = ("backlog", "steady")
 
 EVENTS = 1_000_000
 """The backlog of a full run."""
 DURATION = 60.0
-"""The measured seconds of the steady workload in a full run."""
+"""The measured seconds of each steady workload in a full run."""
 PROFILE_EVENTS = 200_000
 """The profile's backlog in a full run."""
 
@@ -75,7 +75,7 @@ def _run_trial(
                 figures = trials.steady(
                     contestant,
                     trial,
-                    args.rate,
+                    getattr(args, RATE_SETTING[workload]),
                     args.duration,
                     args.warmup,
                     args.steady_transaction_size,
@@ -158,23 +158,36 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     names = [c.name for c in CONTESTANTS]
     parser.add_argument("--events", type=int, default=EVENTS, help="backlog size")
     parser.add_argument("--transaction-size", type=int, default=100, help="backlog, per COMMIT")
-    parser.add_argument("--rate", type=int, default=5_000, help="steady events/s")
-    parser.add_argument("--duration", type=float, default=DURATION, help="steady seconds")
+    parser.add_argument("--rate", type=int, default=5_000, help="steady: events/s")
+    parser.add_argument(
+        "--high-rate", type=int, default=20_000, help="steady-high: events/s (its only difference)"
+    )
+    parser.add_argument(
+        "--duration", type=float, default=DURATION, help="steady, steady-high: measured seconds"
+    )
     parser.add_argument(
         "--warmup",
         type=float,
         default=15.0,
-        help="steady: seconds at the same rate before the measured --duration (JIT, caches)",
+        help="steady, steady-high: seconds at the same rate before the measured --duration "
+        "(JIT, caches)",
     )
     parser.add_argument(
-        "--steady-transaction-size", type=int, default=10, help="steady, events per COMMIT"
+        "--steady-transaction-size",
+        type=int,
+        default=10,
+        help="steady, steady-high: events per COMMIT",
     )
     parser.add_argument(
         "--contestants",
         default=",".join(names),
         help=f"comma-separated, from: {', '.join(names)} (default: all)",
     )
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="backlog,steady")
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, from: {', '.join(WORKLOADS)} (default: all)",
+    )
     parser.add_argument(
         "--profile", action="store_true", help="also profile `cdc-relay stream` on a backlog"
     )
@@ -205,24 +218,27 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown contestant(s) {', '.join(unknown)}; choose from {', '.join(names)}")
     args.selected = [c for c in CONTESTANTS if c.name in wanted]
-    args.workload_list = [w for w in WORKLOADS if w in args.workloads.split(",")]
-    if not args.workload_list:
-        parser.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    asked = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    unknown = sorted(asked - set(WORKLOADS))
+    if unknown or not asked:
+        parser.error(f"--workloads {args.workloads!r}: choose from {', '.join(WORKLOADS)}")
+    args.workload_list = [w for w in WORKLOADS if w in asked]
     return args
 
 
 def full_run(args: argparse.Namespace) -> list[str]:
     """What makes this run a full one: each measurement it makes at its full size or larger.
 
-    Whichever contestants it runs: a backlog of ``EVENTS`` events, the steady workload measured
+    Whichever contestants it runs: a backlog of ``EVENTS`` events, a steady workload measured
     for ``DURATION`` seconds, a profile of ``PROFILE_EVENTS`` events. An empty list: a small
     run, whose figures are not meant to stand beside a full run's.
     """
     full = []
     if "backlog" in args.workload_list and args.events >= EVENTS:
         full.append(f"backlog of {args.events:,} events")
-    if "steady" in args.workload_list and args.duration >= DURATION:
-        full.append(f"steady measured for {args.duration:g} s")
+    steady = [w for w in args.workload_list if w in RATE_SETTING]
+    if steady and args.duration >= DURATION:
+        full.append(f"{', '.join(steady)} measured for {args.duration:g} s")
     profiled = min(args.profile_events, args.events)
     if args.profile and profiled >= PROFILE_EVENTS:
         full.append(f"profile on a backlog of {profiled:,} events")
@@ -315,11 +331,13 @@ def main(argv: list[str] | None = None) -> int:
             "events": args.events,
             "transaction_size": args.transaction_size,
             "rate": args.rate,
+            "high_rate": args.high_rate,
             "duration": args.duration,
             "warmup": args.warmup,
             "steady_transaction_size": args.steady_transaction_size,
             "partitions": PARTITIONS,
             "preflight_events": args.preflight_events,
+            "workloads": args.workload_list,
             "command": command,
         },
         "results": results,

@@ -330,7 +330,8 @@ def steady(
         writer.start().join()
         events = len(writer.committed)
         end_lsn = _one(trial.dsn, "wal_lsn")
-        say(f"wrote {events:,} events at {writer.achieved_rate:,.0f} events/s")
+        short = "" if workload.reached(writer.achieved_rate, rate) else f", short of {rate:,g}"
+        say(f"wrote {events:,} events at {writer.achieved_rate:,.0f} events/s{short}")
         if contestant.delivers_to_kafka:
             expected = len(warm.committed) + events
             _wait_delivered(process, trial, event_topics(trial), expected, say)
@@ -351,7 +352,9 @@ def steady(
     wal_bytes = _one(trial.dsn, "wal_bytes_since", lsn=start_lsn)
     usage = replace(usage, cpu_s=cpu)
     result: dict[str, Any] = {
+        "target_rate": rate,
         "write_rate": round(writer.achieved_rate),
+        "rate_reached": workload.reached(writer.achieved_rate, rate),
         "stopped_cleanly": clean,
     } | _figures(usage, db_cpu, wal_bytes, events)
     if not contestant.delivers_to_kafka:

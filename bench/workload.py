@@ -1,5 +1,5 @@
-"""The two workloads: a backlog written before the contestant starts, and a steady rate of
-events written while it runs, with the moment each COMMIT returned recorded per event.
+"""The workloads: a backlog written before the contestant starts, and a steady rate of events
+written while it runs (at two rates), with the moment each COMMIT returned recorded per event.
 
 Both insert through the SQL function ``bench_insert`` (bench/queries.sql), so every event has
 the same shape whichever writer made it, and the writer's own CPU stays small: on two cores a
@@ -16,10 +16,24 @@ import psycopg
 
 from bench.sql import QUERIES
 
+WORKLOADS = ("backlog", "steady", "steady-high")
+"""Every workload, in the order they run and appear in the results."""
+RATE_SETTING = {"steady": "rate", "steady-high": "high_rate"}
+"""The steady workloads, and the setting (an option of ``bench.run``) that holds each one's
+rate: both write the same events in the same transactions, only the rate differs."""
+REACHED = 0.98
+"""A writer that wrote this fraction of its target rate reached it. On schedule it writes the
+target exactly; one that fell behind writes every event all the same, later, at a lower rate."""
+
 AGGREGATE_TYPES = ("order", "customer", "payment")
 """The aggregate types (and so topics) of the events; ``bench_insert`` cycles through them."""
 WARMUP_TYPE = "warmup"
 """The aggregate type (and topic) of the event that shows a contestant is up."""
+
+
+def reached(written: float, target: float) -> bool:
+    """Whether a steady writer that wrote ``written`` events/s kept to its ``target``."""
+    return written >= REACHED * target
 
 
 def install(dsn: str) -> None:

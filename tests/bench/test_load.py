@@ -70,7 +70,7 @@ def _full(*argv: str) -> list[str]:
 def test_the_defaults_are_a_full_run() -> None:
     assert _full() == [
         "backlog of 1,000,000 events",
-        "steady measured for 60 s",
+        "steady, steady-high measured for 60 s",
     ]
     assert "profile on a backlog of 200,000 events" in _full("--profile")
 
@@ -79,7 +79,7 @@ def test_the_defaults_are_a_full_run() -> None:
     "argv",
     [
         ("--contestants=stream", "--workloads=backlog"),
-        ("--workloads=steady",),
+        ("--workloads=steady-high",),
         ("--events=2000000", "--duration=5"),
         ("--workloads=steady", "--duration=5", "--profile"),
     ],
@@ -101,6 +101,12 @@ def test_any_measurement_at_full_size_makes_a_full_run(argv: tuple[str, ...]) ->
 )
 def test_smaller_sizes_make_a_small_run(argv: tuple[str, ...]) -> None:
     assert _full(*argv) == []
+
+
+def test_an_unknown_workload_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run._parse(["--workloads=steady,steady-20k"])
+    assert "choose from backlog, steady, steady-high" in capsys.readouterr().err
 
 
 def test_a_refused_run_starts_nothing(

@@ -27,7 +27,7 @@ EVERY_RUN = (
     "wal_bytes_per_event",
 )
 BACKLOG = ("time_to_drain_s", "startup_s")
-STEADY = ("write_rate",)
+STEADY = ("write_rate", "target_rate")
 LATENCY = ("p50", "p95", "p99", "max")
 MACHINE = ("date", "cpu_model", "cores", "memory_gib", "kernel", "postgresql", "kafka", "java")
 
@@ -39,6 +39,7 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         "bench.run",
         "--events=2000",
         "--rate=500",
+        "--high-rate=1000",
         "--duration=2",
         "--warmup=1",
         "--preflight-events=100",
@@ -64,8 +65,10 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
     assert len(data["load"]["start"]) == len(data["load"]["end"]) == 3
     assert data["load"]["noisy"] == (data["load"]["start"][0] > data["load"]["quiet"])
     assert ("(noisy)" in table.splitlines()[0]) == data["load"]["noisy"]
+    workloads = ("backlog", "steady", "steady-high")
+    assert data["settings"]["workloads"] == list(workloads)
     rows = {(row["contestant"], row["workload"]): row for row in data["results"]}
-    assert set(rows) == {(c, w) for c in CONTESTANTS for w in ("backlog", "steady")}
+    assert set(rows) == {(c, w) for c in CONTESTANTS for w in workloads}
     assert rows[("stream", "backlog")]["status"] == "ok"
     for (contestant, workload), row in rows.items():
         assert f"| {contestant} |" in table
@@ -78,9 +81,11 @@ def test_a_tiny_run_reports_every_figure(tmp_path: Path) -> None:
         keys = EVERY_RUN + (BACKLOG if workload == "backlog" else STEADY)
         for key in keys:
             assert isinstance(row[key], int | float), (contestant, workload, key, row)
-        if workload == "steady":
+        if workload != "backlog":
+            assert isinstance(row["rate_reached"], bool)
             for key in LATENCY:
                 assert isinstance(row["latency_ms"][key], int | float), (contestant, key)
+    assert "## Steady-high: 1,000 events/s" in table
 
     profile = data["profile"]
     assert profile["status"] == "ok", profile
