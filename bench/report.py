@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import confluent_kafka
 import psycopg
@@ -20,6 +21,9 @@ from bench import debezium
 from bench.sql import QUERIES
 from bench.workload import RATE_SETTING, WORKLOADS, reached
 from cdc_relay.devstack.kafka import KAFKA_VERSION
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 REPO = Path(__file__).parents[1]
 NONE = "\N{EN DASH}"
@@ -325,8 +329,27 @@ def profile_markdown(profile: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plot(data: dict[str, Any], path: Path) -> None:
-    """Throughput bars per contestant and workload; latency percentiles of the steady run."""
+def bar_label(row: dict[str, Any] | None) -> str | None:
+    """What a throughput bar without a figure says: the workload was not run, the contestant
+    is not available here, or the trial failed; None for a figure."""
+    if row is None:
+        return "not run"
+    if row["status"] == "ok":
+        return None
+    return "n/a" if row["status"] == "not available" else "failed"
+
+
+def _sizes(data: dict[str, Any], workload: str) -> str:
+    """A workload's size as run, for the plot's legend and titles."""
+    if workload not in workloads_run(data):
+        return f"{workload}: not run"
+    if workload == "backlog":
+        return f"backlog: {data['settings']['events']:,} events"
+    return f"{workload}: {steady_title(data, workload)}"
+
+
+def figure(data: dict[str, Any]) -> Figure:
+    """Throughput bars per contestant and workload; latency percentiles of each steady rate."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -335,21 +358,23 @@ def plot(data: dict[str, Any], path: Path) -> None:
     rows = data["results"]
     names = list(dict.fromkeys(r["contestant"] for r in rows))
     by = {(r["contestant"], r["workload"]): r for r in rows}
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    width = 0.38
-    for offset, wl in ((-width / 2, "backlog"), (width / 2, "steady")):
-        values = [
-            (by.get((n, wl)) or {}).get("events_per_s")
-            if (by.get((n, wl)) or {}).get("status") == "ok"
-            else 0
-            for n in names
-        ]
-        bars = left.bar([i + offset for i in range(len(names))], values, width, label=wl)
-        for bar, n in zip(bars, names, strict=True):
-            row = by.get((n, wl)) or {}
-            if row.get("status") != "ok":
+    steady = list(RATE_SETTING)
+    fig = plt.figure(figsize=(13, 10))
+    grid = fig.add_gridspec(2, len(steady))
+    left = fig.add_subplot(grid[0, :])
+    width = 0.8 / len(WORKLOADS)
+    for k, wl in enumerate(WORKLOADS):
+        offset = (k - (len(WORKLOADS) - 1) / 2) * width
+        cells = [by.get((n, wl)) for n in names]
+        values = [r["events_per_s"] if r and r["status"] == "ok" else 0 for r in cells]
+        bars = left.bar(
+            [i + offset for i in range(len(names))], values, width, label=_sizes(data, wl)
+        )
+        for bar, row in zip(bars, cells, strict=True):
+            label = bar_label(row)
+            if label is not None:
                 left.annotate(
-                    "n/a" if row.get("status") == "not available" else "failed",
+                    label,
                     (bar.get_x() + bar.get_width() / 2, 0),
                     ha="center",
                     va="bottom",
@@ -358,25 +383,40 @@ def plot(data: dict[str, Any], path: Path) -> None:
                 )
     left.set_xticks(range(len(names)), names, rotation=20, ha="right")
     left.set_ylabel("events/s")
-    left.set_title(f"Throughput (backlog: {data['settings']['events']:,} events)")
-    left.legend()
-    steady = [by.get((n, "steady")) or {} for n in names]
-    with_latency = [
-        (n, r["latency_ms"]) for n, r in zip(names, steady, strict=True) if r.get("latency_ms")
-    ]
-    width = 0.27
-    for k, pct in enumerate(("p50", "p95", "p99")):
-        right.bar(
-            [i + (k - 1) * width for i in range(len(with_latency))],
-            [lat[pct] for _, lat in with_latency],
-            width,
-            label=pct,
+    left.set_title("Throughput: events delivered per second")
+    left.legend(fontsize=9)
+    for column, wl in enumerate(steady):
+        axes = fig.add_subplot(grid[1, column])
+        axes.set_title(f"Latency, {_sizes(data, wl)}", fontsize=10)
+        with_latency = [
+            (n, row["latency_ms"])
+            for n in names
+            if (row := by.get((n, wl))) is not None and row.get("latency_ms")
+        ]
+        if not with_latency:
+            reason = "not run" if wl not in workloads_run(data) else "no latency measured"
+            axes.text(0.5, 0.5, reason, ha="center", va="center", transform=axes.transAxes)
+            axes.set_xticks([])
+            axes.set_yticks([])
+            continue
+        bar_width = 0.27
+        for k, pct in enumerate(("p50", "p95", "p99")):
+            axes.bar(
+                [i + (k - 1) * bar_width for i in range(len(with_latency))],
+                [lat[pct] for _, lat in with_latency],
+                bar_width,
+                label=pct,
+            )
+        axes.set_xticks(
+            range(len(with_latency)), [n for n, _ in with_latency], rotation=20, ha="right"
         )
-    right.set_xticks(range(len(with_latency)), [n for n, _ in with_latency], rotation=20)
-    right.set_yscale("log")
-    right.set_ylabel("ms (log scale)")
-    right.set_title(f"End-to-end latency at {data['settings']['rate']:,} events/s")
-    right.legend()
+        axes.set_yscale("log")
+        # From the decade below the lowest bar: a lone p50 is not cut to a sliver.
+        lowest = min(lat[pct] for _, lat in with_latency for pct in ("p50", "p95", "p99"))
+        if lowest > 0:
+            axes.set_ylim(bottom=10 ** math.floor(math.log10(lowest)))
+        axes.set_ylabel("ms (log scale)")
+        axes.legend(fontsize=9)
     m = data["machine"]
     title = f"cdc-relay benchmark {m['date']}, {m['cpu_model']}"
     figures = data.get("load") or {}
@@ -387,6 +427,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
         )
     fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """The figure, as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(data)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

@@ -1,4 +1,4 @@
-"""What results.md says, from made-up results: no services, no run."""
+"""What results.md and plot.png say, from made-up results: no services, no run."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from matplotlib.text import Text
 
 from bench import report
 
@@ -97,6 +98,50 @@ def backlog_only() -> dict[str, Any]:
         },
     ]
     return _data(["backlog"], results, noisy=True)
+
+
+def _texts(data: dict[str, Any]) -> list[str]:
+    import matplotlib.pyplot as plt
+
+    fig = report.figure(data)
+    try:
+        return [t.get_text() for t in fig.findobj(Text) if t.get_text()]
+    finally:
+        plt.close(fig)
+
+
+def test_a_bar_without_a_figure_says_why() -> None:
+    assert report.bar_label(None) == "not run"
+    assert report.bar_label({"status": "failed"}) == "failed"
+    assert report.bar_label({"status": "not available"}) == "n/a"
+    assert report.bar_label({"status": "ok"}) is None
+
+
+def test_the_plot_tells_not_run_from_failed_and_names_the_sizes(
+    backlog_only: dict[str, Any],
+) -> None:
+    texts = _texts(backlog_only)
+    assert texts.count("failed") == 1  # poll-1's backlog
+    assert texts.count("n/a") == 1  # debezium's backlog
+    assert texts.count("not run") == 3 * 2 + 2  # 3 contestants x 2 steady; 2 latency panels
+    assert "backlog: 2,000 events" in texts
+    assert "steady: not run" in texts
+    assert "steady-high: not run" in texts
+    assert any("NOISY: load average 3.11" in t for t in texts)
+
+
+def test_the_plot_gives_the_rates_and_duration_run() -> None:
+    results = [
+        _ok("stream", "steady", write_rate=5000),
+        _ok("stream", "steady-high", write_rate=6400),
+        _ok("poll-1", "steady", write_rate=4990),
+        _ok("poll-1", "steady-high", write_rate=5100),
+    ]
+    texts = _texts(_data(["steady", "steady-high"], results, noisy=False))
+    assert "steady: 5,000 events/s for 5 s" in texts
+    assert "steady-high: 20,000 events/s targeted, 5,100\N{EN DASH}6,400 written, for 5 s" in texts
+    assert "backlog: not run" in texts
+    assert not any("NOISY" in t for t in texts)
 
 
 def test_a_rate_not_reached_is_not_claimed() -> None:
