@@ -59,6 +59,8 @@ from relaytools import (
 )
 
 from cdc_relay.devstack.kafka import LocalKafka
+from cdc_relay.errors import UsageError
+from cdc_relay.sink import producer_config
 
 pytestmark = pytest.mark.integration
 
@@ -1040,6 +1042,18 @@ def test_a_delivery_timeout_is_refused_at_start(
             assert setting in message, message
             assert "cdc-relay needs message.timeout.ms=0: remove the setting" in message
         assert left == 1  # nothing was read or relayed
+
+
+def test_readme_advises_no_kafka_setting_the_relays_refuse() -> None:
+    """Every ``--kafka-config key=value`` README shows is one the relays start with."""
+    advised = re.findall(r"--kafka-config ([\w.]+)=([^\s`]+)", README.read_text())
+    refused = []
+    for key, value in advised:
+        try:
+            producer_config("127.0.0.1:9092", {key: value})
+        except UsageError as exc:
+            refused.append(f"{key}={value}: {exc}")
+    assert refused == []
 
 
 def test_poll_waits_out_a_stopped_broker_and_delivers_everything(
