@@ -53,7 +53,7 @@ CONFIRMED_LSN = Gauge(
 )
 LATENCY = Histogram(
     "cdc_relay_end_to_end_latency_seconds",
-    "From the transaction's commit in PostgreSQL to Kafka's acknowledgement of its event.",
+    "From a transaction's commit in PostgreSQL to Kafka's acknowledgement of its last event.",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
 )
 IN_FLIGHT = Gauge(

@@ -89,20 +89,42 @@ def _timestamp(pg_us: int) -> int:
 
 
 def _tuple(r: _Reader) -> tuple[Value, ...]:
-    (count,) = r.unpack(_INT16)
-    values: list[Value] = []
-    for _ in range(count):
-        kind = r.byte()
-        if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
-            (size,) = r.unpack(_INT32)
-            values.append(r.take(size))
-        elif kind == 0x6E:  # 'n' null
-            values.append(None)
-        elif kind == 0x75:  # 'u' unchanged TOASTed value
-            values.append(UNCHANGED)
-        else:
-            raise DecodeError(f"unknown tuple column kind {kind:#x}")
-    return tuple(values)
+    values, r.pos = _values(r.buf, r.pos)
+    return values
+
+
+def _values(buf: bytes, pos: int) -> tuple[tuple[Value, ...], int]:
+    """The column values of a tuple starting at ``pos``, and the position after it.
+
+    The hot path of every row, one tight loop (bench/stages.py): bounds are left to Python
+    (an index past the end raises IndexError, a short read struct.error, a slice stops at
+    the end), then checked once, so a malformed tuple still raises DecodeError.
+    """
+    try:
+        (count,) = _INT16.unpack_from(buf, pos)
+        pos += 2
+        values: list[Value] = []
+        append = values.append
+        unpack = _INT32.unpack_from
+        for _ in range(count):
+            kind = buf[pos]
+            if kind == 0x74 or kind == 0x62:  # 't' text, 'b' binary
+                start = pos + 5
+                pos = start + unpack(buf, pos + 1)[0]
+                append(buf[start:pos])
+            elif kind == 0x6E:  # 'n' null
+                append(None)
+                pos += 1
+            elif kind == 0x75:  # 'u' unchanged TOASTed value
+                append(UNCHANGED)
+                pos += 1
+            else:
+                raise DecodeError(f"unknown tuple column kind {kind:#x}")
+    except (IndexError, struct.error):
+        raise DecodeError(f"a tuple overruns its message of {len(buf)} bytes") from None
+    if pos > len(buf):
+        raise DecodeError(f"a value overruns its message of {len(buf)} bytes")
+    return tuple(values), pos
 
 
 def _begin(r: _Reader) -> Record:
@@ -128,13 +150,6 @@ def _relation(r: _Reader) -> Record:
         type_oid, _typmod = r.unpack(_COLUMN_TAIL)
         columns.append(Column(column_name, type_oid))
     return Relation(relid=relid, namespace=namespace, name=name, columns=tuple(columns))
-
-
-def _insert(r: _Reader) -> Record:
-    (relid,) = r.unpack(_INT32)
-    if r.byte() != 0x4E:  # 'N'
-        raise DecodeError("insert without its new tuple")
-    return Insert(relid=relid, values=_tuple(r))
 
 
 def _update(r: _Reader) -> Record:
@@ -191,7 +206,6 @@ _DECODERS: dict[int, Callable[[_Reader], Record]] = {
     ord("B"): _begin,
     ord("C"): _commit,
     ord("R"): _relation,
-    ord("I"): _insert,
     ord("U"): _update,
     ord("D"): _delete,
     ord("T"): _truncate,
@@ -201,10 +215,27 @@ _DECODERS: dict[int, Callable[[_Reader], Record]] = {
 }
 
 
+def _insert_message(buf: bytes) -> Record:
+    """An Insert without a reader object: most messages are inserts."""
+    try:
+        (relid,) = _INT32.unpack_from(buf, 1)
+        new = buf[5]
+    except (IndexError, struct.error):
+        raise DecodeError(f"insert message of {len(buf)} bytes is too short") from None
+    if new != 0x4E:  # 'N'
+        raise DecodeError("insert without its new tuple")
+    values, end = _values(buf, 6)
+    if end != len(buf):
+        raise DecodeError(f"{len(buf) - end} unexpected bytes at the end")
+    return Insert(relid, values)
+
+
 def decode(message: bytes) -> Record:
     """Decode one pgoutput message (the payload of an XLogData message)."""
     if not message:
         raise DecodeError("empty pgoutput message")
+    if message[0] == 0x49:  # 'I'
+        return _insert_message(message)
     decoder = _DECODERS.get(message[0])
     if decoder is None:
         raise DecodeError(f"unknown pgoutput message type {message[:1]!r}")

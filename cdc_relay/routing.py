@@ -21,8 +21,11 @@ _ILLEGAL_TOPIC_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_TOPIC = 249
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Message:
+    """A Kafka message, made per event: never changed once made (not frozen, which would
+    cost four times as much to make, bench/stages.py)."""
+
     topic: str
     key: bytes | None
     value: bytes | None
