@@ -919,11 +919,14 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
             relay.close()
         verdict = check(workload.innocents, received, prefix)
         dead = query(outbox_db, "SELECT id::text, attempts, last_error FROM outbox_dead_letters")
-        ((retried,),) = query(
-            outbox_db,
-            "SELECT count(*) FROM outbox_events WHERE attempts > 0 AND id <> %s::uuid",
-            culprit.id,
-        )
+        retried = {
+            event_id
+            for (event_id,) in query(
+                outbox_db,
+                "SELECT id::text FROM outbox_events WHERE attempts > 0 AND id <> %s::uuid",
+                culprit.id,
+            )
+        }
         row.lost, row.reordered, row.duplicates = (
             len(verdict.lost),
             len(verdict.out_of_order),
@@ -932,7 +935,7 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
         row.outcome = f"{len(dead)} dead letter(s)" + (
             f" after {dead[0][1]} attempts" if dead else ""
         )
-        row.outcome += f"; {retried} innocents refused with it, then delivered"
+        row.outcome += f"; {len(retried)} innocents refused with it, then delivered"
         if waiting:
             row.outcome += f"; {len(waiting)} later rows of its aggregate " + (
                 "overtook it" if overtaken else "waited until it was dead"
@@ -963,10 +966,12 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
         assert any(error in entry["last_error"] for error in scenario.errors), entry
         assert culprit.id not in {r.id for r in received}
         assert_delivered(verdict)
-        assert verdict.duplicates == 0, verdict
+        # Twice only a row refused with the culprit (its message purged in flight may have
+        # reached the broker) and sent again.
+        assert duplicated(received) <= retried, (duplicated(received) - retried, verdict)
         assert "Traceback" not in relay.log()
         if scenario.batch:
-            assert retried > 0  # the batch-level refusal reached innocent rows too
+            assert retried  # the batch-level refusal reached innocent rows too
         assert_only_writes_denied(broker, scenario, prefix)
         # Later rows of the culprit's aggregate waited behind it until it was a dead letter,
         # as README's poller section says.
