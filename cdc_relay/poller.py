@@ -140,17 +140,27 @@ class Publisher:
         self.acked: set[int] = set()
         self.refused: dict[int, str] = {}
         self.held: list[int] = []
-        self.outstanding = 0  # produced, no report yet
+        self._unreported: set[int] = set()  # produced, no report yet
+        self._producer = 0  # tokens are (producer, index): reports of a dropped one are stale
         self._rows: Sequence[OutboxRow] = ()
         self._failed: set[tuple[str, str]] = set()  # aggregates with a failed row
 
-    def _acked(self, index: int) -> None:
-        self.outstanding -= 1
-        self.acked.add(index)
+    @property
+    def outstanding(self) -> int:
+        """Rows produced whose delivery report has not come."""
+        return len(self._unreported)
 
-    def _refused(self, index: int, err: KafkaError) -> None:
-        self.outstanding -= 1
-        self._fail(index, _failure(err))
+    def _acked(self, token: tuple[int, int]) -> None:
+        producer, index = token
+        if producer == self._producer:
+            self._unreported.discard(index)
+            self.acked.add(index)
+
+    def _refused(self, token: tuple[int, int], err: KafkaError) -> None:
+        producer, index = token
+        if producer == self._producer:
+            self._unreported.discard(index)
+            self._fail(index, _failure(err))
 
     def _fail(self, index: int, error: str) -> None:
         self.refused[index] = error
@@ -159,7 +169,7 @@ class Publisher:
     def publish(self, rows: Sequence[OutboxRow], give_up: Callable[[], bool]) -> bool:
         """Produce ``rows`` and wait for their reports; False if ``give_up`` said so first
         (the rows without a report are then neither acknowledged nor refused)."""
-        # The tokens are row indexes: no report of an earlier batch may still come.
+        # Tokens hold row indexes: no report of an earlier batch may still come.
         if not self.wait(give_up):
             return False
         self.acked.clear()
@@ -185,11 +195,11 @@ class Publisher:
         return self.wait(give_up)
 
     def _offer(self, message: Message, index: int, give_up: Callable[[], bool]) -> bool:
-        self.outstanding += 1
-        while not self.sink.offer(message, index):
+        self._unreported.add(index)
+        while not self.sink.offer(message, (self._producer, index)):
             self.sink.poll(_WAIT_SLICE)  # the producer's queue is full: let it drain
             if give_up():
-                self.outstanding -= 1
+                self._unreported.discard(index)
                 return False
         return True
 
@@ -201,9 +211,23 @@ class Publisher:
         while self.outstanding:
             self.sink.settle(_WAIT_SLICE)
             self.sink.poll(0)  # raises on a fatal producer error
+            if self.sink.broken and self.outstanding:
+                self.sink.settle(_WAIT_SLICE)  # the refused batch's reports, with Kafka's answer
+                if self.outstanding:
+                    self._renew()
             if self.outstanding and give_up():
                 return False
         return True
+
+    def _renew(self) -> None:
+        """After a refused batch the producer stops (the gapless guarantee) and does not report
+        what it still holds: a new one takes over, and the rows the old one held failed too (a
+        later try, behind which their aggregates wait). A report it still gives is ignored."""
+        self.sink.renew()
+        self._producer += 1
+        for index in sorted(self._unreported):
+            self._fail(index, "not sent: the producer stopped after Kafka refused a batch")
+        self._unreported.clear()
 
 
 class Wake:
