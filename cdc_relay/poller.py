@@ -8,19 +8,27 @@ try, commit. Each worker is a thread with its own connection and its own produce
 does its work outside the GIL), and owns a share of the aggregates, so the workers of one
 process keep each aggregate's order. A listener thread turns NOTIFY into wake-ups.
 
+Every command resolves ``--table`` once (:func:`resolve`) and names the table by its schema and
+name from then on. Every poller connection holds the table's advisory lock, shared, before
+it claims; the handover to ``stream`` holds it exclusively, so the two never run together.
+
 Also here: the housekeeping commands (dead letters, prune) and the handover to ``stream``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from types import FrameType, TracebackType
 from typing import Any
 
 import psycopg
@@ -42,12 +50,16 @@ from cdc_relay.metrics import (
 from cdc_relay.queries import QUERIES
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
-from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
+from cdc_relay.slot import OutboxTable, SlotSpec, connect, exported_snapshot, find_table, setup
 
 log = logging.getLogger(__name__)
 
 APPLICATION_NAME = "cdc-relay poll"
-"""The ``application_name`` of the poller's sessions: the handover looks for them."""
+"""The ``application_name`` of the poller's sessions, to tell them apart in pg_stat_activity."""
+
+LOCK_CLASS = 0x43444352  # "CDCR"
+"""First key of the outbox's advisory lock (``pg_locks.classid``); the second is the table's
+oid (``pg_locks.objid``)."""
 
 _RECONNECT_BASE = 0.5  # seconds before reconnecting to PostgreSQL, doubling up to the max
 _RECONNECT_MAX = 10.0
@@ -93,6 +105,7 @@ class OutboxRow:
     aggregate_id: str
     event_type: str
     payload: bytes | None
+    payload_type: int  # pg_type oid of the payload column when the row was read
     attempts: int
 
     @property
@@ -112,9 +125,164 @@ class OutboxRow:
         )
 
 
-def _first_line(exc: Exception) -> str:
+def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "no message"
+
+
+# -- the outbox table -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outbox:
+    """The outbox table of ``--table``, resolved once (``find_table``: quoting, case folding,
+    ``search_path``); every query names it by its schema and name from then on."""
+
+    table: OutboxTable
+    payload_type: int | None  # pg_type oid of the payload column; None without one
+    payload_bytea: bool  # bytea, or a domain over it
+
+    @property
+    def qualified(self) -> str:
+        return self.table.qualified
+
+    @property
+    def channel(self) -> str:
+        """The NOTIFY channel of sql/poller.sql's trigger on this table."""
+        return f"{self.table.schema}.{self.table.name}"
+
+    @property
+    def lock(self) -> dict[str, int]:
+        """The parameters of the table's advisory lock (poll_lock, handover_lock, pollers)."""
+        return {"lock_class": LOCK_CLASS, "table": self.table.oid}
+
+    def query(self, name: str) -> sql.Composed:
+        """A named query on this table. The payload expression is chosen here, once: a bytea
+        payload goes out as the bytes stored, any other type as its text (the bytes pgoutput
+        sends, so both relays publish the same value)."""
+        payload = QUERIES["payload_bytes" if self.payload_bytea else "payload_text"]
+        return sql.SQL(QUERIES[name]).format(
+            table=sql.Identifier(self.table.schema, self.table.name), payload=sql.SQL(payload)
+        )
+
+    def check_payload(self, rows: Sequence[OutboxRow]) -> None:
+        """Refuse rows read after the payload column changed type: the expression chosen at
+        start would send other bytes than stored (a bytea read as text is its hex form)."""
+        if rows and rows[0].payload_type != self.payload_type:
+            raise RelayError(
+                f"the payload column of {self.qualified} changed type while the relay ran; "
+                "nothing was published from it since: start the relay again, which reads the "
+                "payload by the column's type"
+            )
+
+
+def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
+    """The outbox table ``table`` names; PreflightError if there is none."""
+    try:
+        found = find_table(conn, table)
+    except psycopg.OperationalError:
+        raise
+    except psycopg.DatabaseError as exc:  # e.g. a name with too many dots
+        raise PreflightError(
+            f"--table {table!r} is not a table name PostgreSQL reads: {_first_line(exc)}"
+        ) from None
+    if found is None:
+        raise PreflightError(
+            f"table {table} does not exist; create it with sql/outbox.sql, "
+            "or name yours with --table"
+        )
+    payload = conn.execute(QUERIES["poll_payload"], {"oid": found.oid}).fetchone() or {}
+    return Outbox(found, payload.get("payload_type"), bool(payload.get("payload_bytea")))
+
+
+def _check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> None:
+    missing = conn.execute(QUERIES["poll_columns"], {"oid": outbox.table.oid})
+    columns = (missing.fetchone() or {}).get("missing")
+    if columns:
+        raise PreflightError(
+            f"table {outbox.qualified} has no column {', '.join(columns)}, which the poller "
+            "needs; add them as sql/outbox.sql does"
+        )
+
+
+# -- what a database error means ------------------------------------------------------------
+#
+# Three kinds. The connection and the server's passing state (class 08 and the rest of
+# psycopg's OperationalError: shutdown, too many connections, a cancelled query; 40:
+# serialization failure, deadlock) are retried with backoff on a new connection.
+#
+# A read-only server (25006) is waited out the same way, with a warning that says so. After a
+# failover the old primary comes back as a standby, or --dsn (a DNS name, a virtual IP, a
+# multi-host DSN) reaches the new primary only after a reconnect; a database made read-only
+# for maintenance becomes writable again. Waiting loses nothing: the claim is the first
+# statement of its transaction and FOR UPDATE is refused before any row is read, so nothing
+# was published, and a transaction that got past its claim is read-write to its end. Stopping
+# would only need someone to start the relay again once the cluster has settled.
+#
+# Anything else the server refuses (a dropped column or table, a revoked privilege, a
+# constraint) stays refused until someone changes the database: the relay stops with one line
+# that says what to do. The refused transaction is rolled back, so nothing is marked that
+# Kafka did not acknowledge; rows acknowledged but not marked are published again later.
+
+_RETRY, _READ_ONLY, _REFUSED = "retry", "read-only", "refused"
+
+
+def _kind(exc: psycopg.DatabaseError) -> str:
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return _READ_ONLY
+    if isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback):
+        return _RETRY
+    return _REFUSED
+
+
+def _refusal(exc: psycopg.DatabaseError, outbox: Outbox, doing: str) -> RelayError:
+    """The one-line error for a database error the user must act on."""
+    code = exc.sqlstate or ""
+    if code == "42501":
+        remedy = "grant the role of --dsn what sql/roles.sql grants the poller"
+    elif code[:2] in ("42", "0A"):
+        remedy = f"make {outbox.qualified} as sql/outbox.sql does"
+    elif code == "25006":
+        remedy = "run it against the primary"
+    elif _kind(exc) == _RETRY:
+        remedy = "check --dsn and the server"
+    else:
+        remedy = "fix the cause"
+    sqlstate = f" (SQLSTATE {code})" if code else ""
+    return RelayError(
+        f"PostgreSQL refused {doing} on {outbox.qualified}: {_first_line(exc)}{sqlstate}; "
+        f"{remedy}, then run it again"
+    )
+
+
+@contextlib.contextmanager
+def _refusals(outbox: Outbox, doing: str) -> Iterator[None]:
+    """Database errors of a housekeeping command as one line each."""
+    try:
+        yield
+    except psycopg.DatabaseError as exc:
+        raise _refusal(exc, outbox, doing) from None
+
+
+def _take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
+    """Take the outbox's advisory lock, shared, for as long as the session lasts; a
+    PreflightError if a handover holds it.
+
+    Session-level: behind a pooler in transaction mode it would not stay with the session, so
+    pollers must connect to PostgreSQL directly (or through session pooling).
+    """
+    with conn.cursor(row_factory=dict_row) as cur:
+        if (cur.execute(QUERIES["poll_lock"], outbox.lock).fetchone() or {}).get("locked"):
+            return
+        pids = [
+            str(r["pid"]) for r in cur.execute(QUERIES["pollers"], outbox.lock) if r["handover"]
+        ]
+    by = f" (pid {', '.join(pids)})" if pids else ""
+    raise PreflightError(
+        f"a handover to stream (cdc-relay setup-slot --from-poller) is running on "
+        f"{outbox.qualified}{by}; a poller must not run beside it: when the handover has "
+        "finished, run cdc-relay stream; if it failed, start the poller again"
+    )
 
 
 def _failure(err: KafkaError) -> str:
@@ -263,19 +431,18 @@ class Counts:
 class Worker:
     """Claims, publishes and marks batches of one shard of the aggregates until stopped."""
 
-    def __init__(
-        self, relay: PollRelay, shard: int, publisher: Publisher, table: sql.Composable
-    ) -> None:
+    def __init__(self, relay: PollRelay, shard: int, publisher: Publisher, outbox: Outbox) -> None:
         self.relay = relay
         self.settings = relay.settings
         self.shard = shard
         self.publisher = publisher
+        self.outbox = outbox
         self.counts = Counts()
         self.released = 0  # messages whose reports had not come when the worker stopped
         self._conn: psycopg.Connection[Any] | None = None
-        self._claim = sql.SQL(QUERIES["claim"]).format(table=table)
-        self._mark_processed = sql.SQL(QUERIES["mark_processed"]).format(table=table)
-        self._mark_failed = sql.SQL(QUERIES["mark_failed"]).format(table=table)
+        self._claim = outbox.query("claim")
+        self._mark_processed = outbox.query("mark_processed")
+        self._mark_failed = outbox.query("mark_failed")
         self._stopping_since: float | None = None
         self.thread = threading.Thread(target=self._run, name=f"poll-worker-{shard}")
 
@@ -292,21 +459,36 @@ class Worker:
 
     def _loop(self) -> None:
         relay = self.relay
-        failures = 0  # connection failures in a row
+        failures = 0  # failed cycles in a row
         while not relay.stopping.is_set():
             seen = relay.wake.seen()
             try:
                 claimed = self._cycle()
-            except psycopg.OperationalError as exc:
+            except psycopg.DatabaseError as exc:  # what each kind means: see _kind
+                kind = _kind(exc)
+                if kind == _REFUSED:
+                    raise _refusal(exc, self.outbox, "the poller's query") from None
                 failures += 1
                 delay = backoff(failures, _RECONNECT_BASE, _RECONNECT_MAX)
-                log.warning(
-                    "lost the database connection, reconnecting in %.1fs: %s",
-                    delay,
-                    _first_line(exc),
-                    extra={"action": "disconnected"},
-                )
+                if kind == _READ_ONLY:
+                    log.warning(
+                        "the database is read-only (%s); waiting for a writable primary, next "
+                        "try in %.1fs. After a failover this ends once --dsn reaches the new "
+                        "primary; a database made read-only (default_transaction_read_only) "
+                        "must be made writable again",
+                        _first_line(exc),
+                        delay,
+                        extra={"action": "read_only"},
+                    )
+                else:
+                    log.warning(
+                        "lost the database connection, reconnecting in %.1fs: %s",
+                        delay,
+                        _first_line(exc),
+                        extra={"action": "disconnected"},
+                    )
                 self._drop_connection()
+                relay.health.beat()  # waiting on purpose: a restart would not help
                 relay.stopping.wait(delay)
                 continue
             failures = 0
@@ -315,10 +497,17 @@ class Worker:
                 relay.wake.wait(seen, self.settings.poll_interval)
 
     def _connection(self) -> psycopg.Connection[Any]:
+        """The worker's connection; a new one takes the outbox's lock before its first claim."""
         if self._conn is None or self._conn.closed:
-            self._conn = psycopg.connect(
+            conn = psycopg.connect(
                 self.relay.conninfo, autocommit=True, row_factory=class_row(OutboxRow)
             )
+            try:
+                _take_poll_lock(conn, self.outbox)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
         return self._conn
 
     def _drop_connection(self) -> None:
@@ -350,6 +539,7 @@ class Worker:
             ).fetchall()
             if not rows:
                 return 0
+            self.outbox.check_payload(rows)
             complete = self.publisher.publish(rows, self._give_up)
             self._mark(conn, rows)
         BATCH_DURATION.observe(time.monotonic() - started)
@@ -431,6 +621,7 @@ class PollRelay:
         self._error_lock = threading.Lock()
         self._listening = False
         self._workers: list[Worker] = []
+        self.outbox: Outbox | None = None  # resolved by run()
 
     def request_stop(self) -> None:
         """Finish or release the current batches, then return from ``run``. Signal-safe."""
@@ -447,7 +638,7 @@ class PollRelay:
     def run(self) -> None:
         """Poll until ``request_stop``; raise RelayError on a failure the user must fix."""
         settings = self.settings
-        table, channel = self._check_database()
+        outbox = self.outbox = self._check_database()
         publishers = [Publisher(settings) for _ in range(settings.workers)]
         try:
             publishers[0].sink.check_reachable(settings.kafka_timeout)
@@ -455,15 +646,15 @@ class PollRelay:
             for publisher in publishers:
                 publisher.sink.close()
             raise
-        self._workers = [Worker(self, n, p, table) for n, p in enumerate(publishers)]
+        self._workers = [Worker(self, n, p, outbox) for n, p in enumerate(publishers)]
         self._register_metrics()
         listener = threading.Thread(
-            target=self._listen, args=(channel,), name="poll-listener", daemon=True
+            target=self._listen, args=(outbox,), name="poll-listener", daemon=True
         )
         listener.start()
         log.info(
             "polling %s with %d worker%s, batches of %d",
-            settings.table,
+            outbox.qualified,
             settings.workers,
             "" if settings.workers == 1 else "s",
             settings.batch_size,
@@ -489,31 +680,26 @@ class PollRelay:
         if self._error is not None:
             raise self._error
 
-    def _check_database(self) -> tuple[sql.Composable, str]:
-        """The table has the poller's columns; returns it quoted, and its NOTIFY channel."""
+    def _check_database(self) -> Outbox:
+        """The table has the poller's columns and no handover runs on it; returns it."""
         with connect(self.conninfo) as conn:
-            table, channel = _outbox(conn, self.settings.table)
-            missing = conn.execute(QUERIES["poll_columns"], {"table": self.settings.table})
-            columns = (missing.fetchone() or {}).get("missing")
-            if columns:
-                raise PreflightError(
-                    f"table {self.settings.table} has no column {', '.join(columns)}, which "
-                    "the poller needs; add them as sql/outbox.sql does"
-                )
-            trigger = conn.execute(QUERIES["poll_trigger"], {"table": self.settings.table})
+            outbox = resolve(conn, self.settings.table)
+            _check_columns(conn, outbox)
+            trigger = conn.execute(QUERIES["poll_trigger"], {"oid": outbox.table.oid})
             if not (trigger.fetchone() or {}).get("present"):
                 log.warning(
                     "no trigger notifies the pollers of new rows in %s; new events wait up to "
                     "--poll-interval (%gs): apply sql/poller.sql",
-                    self.settings.table,
+                    outbox.qualified,
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},
                 )
-        return table, channel
+            _take_poll_lock(conn, outbox)  # refused now rather than after connecting to Kafka
+        return outbox
 
-    def _listen(self, channel: str) -> None:
+    def _listen(self, outbox: Outbox) -> None:
         """Turn notifications into wake-ups; reconnect when the connection drops."""
-        listen = sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(channel))
+        listen = sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(outbox.channel))
         failures = 0  # connection failures in a row
         while not self.stopping.is_set():
             try:
@@ -525,7 +711,11 @@ class PollRelay:
                     while not self.stopping.is_set():
                         for _ in conn.notifies(timeout=_WAIT_SLICE * 5):
                             self.wake.notify()
-            except psycopg.OperationalError as exc:
+            except psycopg.DatabaseError as exc:
+                # A standby refuses LISTEN (read-only): wait for the primary, as the workers do.
+                if _kind(exc) == _REFUSED:
+                    self.fail(_refusal(exc, outbox, "LISTEN"))
+                    return
                 log.warning("listener: %s", _first_line(exc), extra={"action": "disconnected"})
             self._listening = False
             failures += 1
@@ -548,7 +738,7 @@ class PollRelay:
     def _log_progress(self) -> None:
         published = sum(w.counts.published for w in self._workers)
         failed = sum(w.counts.failed for w in self._workers)
-        pending = _pending_counts(self.conninfo, self.settings.table)
+        pending = None if self.outbox is None else _pending_counts(self.conninfo, self.outbox)
         if pending is not None:
             EVENTS_PENDING.set(pending["unprocessed"])
             DEAD_LETTERS.set(pending["dead_letters"])
@@ -563,29 +753,14 @@ class PollRelay:
         )
 
 
-def _pending_counts(conninfo: str, table: str) -> dict[str, int] | None:
-    """The outbox's unprocessed rows and dead letters; None when the database is away."""
+def _pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
+    """The outbox's unprocessed rows and dead letters; None when the database cannot say (the
+    workers meet the same error and report it)."""
     try:
         with psycopg.connect(conninfo, autocommit=True, row_factory=dict_row) as conn:
-            return conn.execute(_query("pending_counts", table)).fetchone()
-    except psycopg.OperationalError:
+            return conn.execute(outbox.query("pending_counts")).fetchone()
+    except psycopg.DatabaseError:
         return None
-
-
-def _outbox(conn: psycopg.Connection[dict[str, Any]], table: str) -> tuple[sql.Identifier, str]:
-    """The outbox table, quoted, and the channel sql/poller.sql's trigger notifies for it."""
-    found = conn.execute(QUERIES["table_name"], {"table": table}).fetchone()
-    if not found:
-        raise PreflightError(
-            f"table {table} does not exist; create it with sql/outbox.sql, "
-            "or name yours with --table"
-        )
-    return sql.Identifier(found["schema"], found["name"]), f"{found['schema']}.{found['name']}"
-
-
-def _query(name: str, table: str) -> sql.Composed:
-    """A named query on the outbox table (``table`` may be schema-qualified)."""
-    return sql.SQL(QUERIES[name]).format(table=sql.Identifier(*table.split(".", 1)))
 
 
 # -- dead letters and pruning ---------------------------------------------------------------
@@ -594,7 +769,9 @@ def _query(name: str, table: str) -> sql.Composed:
 def dead_letters(dsn: str, table: str, limit: int) -> list[dict[str, Any]]:
     """The oldest ``limit`` dead letters."""
     with connect(dsn) as conn:
-        return conn.execute(_query("dead_letters", table), {"limit": limit}).fetchall()
+        outbox = resolve(conn, table)
+        with _refusals(outbox, "the dead-letter query"):
+            return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
 
 
 def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[str]:
@@ -602,12 +779,14 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
 
     Returns the ids that were dead letters and are queued again.
     """
-    with connect(dsn) as conn, conn.transaction():
-        rows = conn.execute(
-            _query("retry_dead_letters", table), {"ids": list(ids) if ids else None}
-        ).fetchall()
-        if rows:
-            conn.execute(QUERIES["notify"], {"channel": _outbox(conn, table)[1]})
+    with connect(dsn) as conn:
+        outbox = resolve(conn, table)
+        with _refusals(outbox, "the retry of dead letters"), conn.transaction():
+            rows = conn.execute(
+                outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
+            ).fetchall()
+            if rows:
+                conn.execute(QUERIES["notify"], {"channel": outbox.channel})
     return [row["id"] for row in rows]
 
 
@@ -618,17 +797,19 @@ def prune(
 
     Returns how many were deleted and the cut-off.
     """
-    statement = _query("prune", table)
     deleted = 0
     with connect(dsn) as conn:
-        before = conn.execute(QUERIES["prune_before"], {"age": older_than}).fetchone() or {}
-        cutoff: datetime = before["before"]
-        while True:
-            count = conn.execute(statement, {"before": cutoff, "limit": batch_size}).rowcount
-            deleted += count
-            if count < batch_size:
-                return deleted, cutoff
-            log.info("pruned %d rows so far", deleted, extra={"action": "prune"})
+        outbox = resolve(conn, table)
+        statement = outbox.query("prune")
+        with _refusals(outbox, "the prune"):
+            before = conn.execute(QUERIES["prune_before"], {"age": older_than}).fetchone() or {}
+            cutoff: datetime = before["before"]
+            while True:
+                count = conn.execute(statement, {"before": cutoff, "limit": batch_size}).rowcount
+                deleted += count
+                if count < batch_size:
+                    return deleted, cutoff
+                log.info("pruned %d rows so far", deleted, extra={"action": "prune"})
 
 
 # -- handing over to stream -----------------------------------------------------------------
@@ -641,102 +822,212 @@ class Handover:
     lines: list[str]
 
 
+@dataclass
+class _Progress:
+    """How far a handover went, for the message that says it was undone."""
+
+    published: int = 0  # published and marked processed
+    copying: bool = False  # making the slot permanent: done or not, all rows are marked
+
+
 def handover(settings: PollSettings, spec: SlotSpec) -> Handover:
     """Switch from the poller to ``stream`` with no gap and no overlap.
 
-    Creates the slot with an exported snapshot, publishes the rows still unprocessed in that
-    snapshot and marks them processed; ``stream`` takes every transaction after it. The pollers
-    must be stopped first; a row Kafka refuses undoes the switch (the slot is dropped).
+    Creates a temporary slot with an exported snapshot, publishes the rows still unprocessed in
+    that snapshot and marks them processed, then copies the temporary slot to ``spec.slot``:
+    ``stream`` takes every transaction after the snapshot. Throughout, the outbox's advisory
+    lock keeps pollers out. Until the copy nothing can stream the slot, and a failure or a stop
+    at any point before it (a refused row, a lost connection, SIGTERM, Ctrl-C, even SIGKILL)
+    leaves no slot: PostgreSQL drops a temporary slot with its session. What was marked was
+    published, so the pollers can take over again.
     """
-    _check_handover(settings, spec)
-    report = setup(settings.dsn, spec, create_slot=False)
-    lines = [f"exists: {line}" for line in report.existing] + report.done
-    publisher = Publisher(settings)
-    try:
-        publisher.sink.check_reachable(settings.kafka_timeout)
-        with _snapshot_transaction(settings, spec) as (lsn, rows):
-            lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
-            try:
-                published = _publish_all(settings, spec, publisher, rows)
-            except BaseException:
-                # Undo: the pollers can be started again, and they will not publish twice
-                # what was marked.
-                with connect(settings.dsn) as conn:
-                    conn.execute(QUERIES["drop_slot"], {"slot": spec.slot})
-                raise
-    finally:
-        publisher.sink.close()
+    progress = _Progress()
+    with _Interrupts() as interrupts, connect(settings.dsn) as guard:
+        outbox = _check_handover(guard, settings, spec)
+        spec = dataclasses.replace(spec, table=outbox.qualified)
+        report = setup(settings.dsn, spec, create_slot=False)
+        lines = [f"exists: {line}" for line in report.existing] + report.done
+        publisher = Publisher(settings)
+        try:
+            publisher.sink.check_reachable(settings.kafka_timeout)
+            lsn = _switch(settings, spec, outbox, publisher, guard, progress, interrupts)
+        except (psycopg.Error, KeyboardInterrupt) as exc:
+            raise _undone(exc, spec, progress, interrupts.received) from None
+        except RelayError as exc:
+            if progress.copying:  # could not look the slot up
+                raise _undone(exc, spec, progress, None) from None
+            raise
+        finally:
+            publisher.sink.close()
+    lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
     lines.append(
-        f"published {published} events that were unprocessed at {lsn} and marked them "
-        f"processed; start cdc-relay stream --slot {spec.slot} for everything after it"
+        f"published {progress.published} events that were unprocessed at {lsn} and marked "
+        f"them processed; start cdc-relay stream --slot {spec.slot} for everything after it"
     )
     return Handover(lines)
 
 
-def _check_handover(settings: PollSettings, spec: SlotSpec) -> None:
-    with connect(settings.dsn) as conn:
-        if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
+def _check_handover(
+    conn: psycopg.Connection[dict[str, Any]], settings: PollSettings, spec: SlotSpec
+) -> Outbox:
+    """Take the outbox's lock for the whole handover and check what it needs; the outbox."""
+    outbox = resolve(conn, settings.table)
+    if not (conn.execute(QUERIES["handover_lock"], outbox.lock).fetchone() or {}).get("locked"):
+        holders = conn.execute(QUERIES["pollers"], outbox.lock).fetchall()
+        pids = ", ".join(str(r["pid"]) for r in holders)
+        if any(r["handover"] for r in holders):
             raise PreflightError(
-                f"slot {spec.slot} exists already, so it cannot start at the poller's last "
-                "row; drop it (cdc-relay drop-slot) or choose another --slot"
+                f"another handover is running on {outbox.qualified} (pid {pids}); let it finish"
             )
-        pids = [
-            str(r["pid"])
-            for r in conn.execute(QUERIES["pollers"], {"application": APPLICATION_NAME})
-        ]
-        if pids:
-            raise PreflightError(
-                f"{len(pids)} poller sessions are connected (pid {', '.join(pids)}); stop every "
-                "cdc-relay poll (SIGTERM) and run the handover again"
-            )
-        _outbox(conn, settings.table)
-        counts = conn.execute(_query("pending_counts", settings.table)).fetchone() or {}
-        if counts.get("dead_letters"):
-            raise PreflightError(
-                f"{counts['dead_letters']} dead letters are in {settings.table}; retry them "
-                "(cdc-relay dead-letters retry, with a poller running) or delete them, then "
-                "run the handover again"
-            )
+        if not holders:  # released since
+            raise PreflightError(f"the lock of {outbox.qualified} was busy; run the handover again")
+        raise PreflightError(
+            f"{len(holders)} poller sessions are connected (pid {pids}); stop every "
+            "cdc-relay poll (SIGTERM) and run the handover again"
+        )
+    _check_columns(conn, outbox)
+    if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
+        raise PreflightError(
+            f"slot {spec.slot} exists already, so it cannot start at the poller's last "
+            "row; drop it (cdc-relay drop-slot) or choose another --slot"
+        )
+    server = conn.execute(QUERIES["server"]).fetchone() or {}
+    if server["slots_used"] + 2 > server["max_slots"]:
+        raise PreflightError(
+            f"{server['slots_used']} of {server['max_slots']} replication slots are in use; the "
+            "handover needs two for a moment (a temporary one while it publishes, then the "
+            "slot): raise max_replication_slots in postgresql.conf and restart, or drop an "
+            "unused slot"
+        )
+    counts = conn.execute(outbox.query("pending_counts")).fetchone() or {}
+    if counts.get("dead_letters"):
+        raise PreflightError(
+            f"{counts['dead_letters']} dead letters are in {outbox.qualified}; retry them "
+            "(cdc-relay dead-letters retry, with a poller running) or delete them, then "
+            "run the handover again"
+        )
+    return outbox
 
 
-@contextlib.contextmanager
-def _snapshot_transaction(
-    settings: PollSettings, spec: SlotSpec
-) -> Iterator[tuple[str, psycopg.ServerCursor[OutboxRow]]]:
-    """The slot's consistent point, and a cursor over the rows unprocessed as of it."""
-    with psycopg.connect(settings.dsn, row_factory=class_row(OutboxRow)) as conn:
-        conn.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-        conn.read_only = True
-        with exported_snapshot(settings.dsn, spec) as (lsn, snapshot):
-            conn.execute(sql.SQL(QUERIES["set_snapshot"]).format(snapshot=sql.Literal(snapshot)))
-            # The snapshot is ours now: the slot's connection may end.
-        with conn.cursor(name="cdc_relay_handover") as rows:
-            rows.execute(_query("unprocessed", settings.table))
-            yield lsn, rows
+def _switch(
+    settings: PollSettings,
+    spec: SlotSpec,
+    outbox: Outbox,
+    publisher: Publisher,
+    marker: psycopg.Connection[dict[str, Any]],
+    progress: _Progress,
+    interrupts: _Interrupts,
+) -> str:
+    """Publish and mark the rows unprocessed as of the slot's start, then make the slot;
+    returns its position."""
+    temporary = f"{spec.slot[:40]}_handover_{os.getpid()}"
+    with exported_snapshot(settings.dsn, dataclasses.replace(spec, slot=temporary)) as (
+        lsn,
+        snapshot,
+    ):
+        with psycopg.connect(settings.dsn, row_factory=class_row(OutboxRow)) as reader:
+            reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+            reader.read_only = True
+            reader.execute(sql.SQL(QUERIES["set_snapshot"]).format(snapshot=sql.Literal(snapshot)))
+            with reader.cursor(name="cdc_relay_handover") as rows:
+                rows.execute(outbox.query("unprocessed"))
+                _publish_all(settings, outbox, publisher, rows, marker, progress)
+        # Every row is published and marked: the switch is complete once the copy is made, so
+        # a signal no longer undoes it.
+        interrupts.hold()
+        progress.copying = True
+        try:
+            marker.execute(QUERIES["copy_slot"], {"source": temporary, "slot": spec.slot})
+        except psycopg.OperationalError:
+            # The answer was lost, not necessarily the copy.
+            if not _slot_exists(settings.dsn, spec.slot):
+                raise
+    return lsn
+
+
+def _slot_exists(dsn: str, slot: str) -> bool:
+    with connect(dsn) as conn:
+        return conn.execute(QUERIES["slot"], {"slot": slot}).fetchone() is not None
 
 
 def _publish_all(
     settings: PollSettings,
-    spec: SlotSpec,
+    outbox: Outbox,
     publisher: Publisher,
     rows: psycopg.ServerCursor[OutboxRow],
-) -> int:
+    marker: psycopg.Connection[dict[str, Any]],
+    progress: _Progress,
+) -> None:
     """Publish every row of the cursor, batch by batch, marking each batch processed."""
-    mark = _query("mark_processed", settings.table)
-    published = 0
-    with connect(settings.dsn) as marker:
-        while batch := rows.fetchmany(settings.batch_size):
-            publisher.publish(batch, lambda: False)
-            acked = [batch[i].id for i in sorted(publisher.acked)]
-            if acked:
-                marker.execute(mark, {"ids": acked})
-                published += len(acked)
-            if publisher.refused:
-                index, error = next(iter(publisher.refused.items()))
-                raise DeliveryError(
-                    f"Kafka refused event {batch[index].id} ({batch[index].event_type}, "
-                    f"aggregate {batch[index].aggregate_id}): {error}; the handover was undone "
-                    f"(slot {spec.slot} dropped, {published} events published and marked): "
-                    "fix the cause and run it again, or restart the pollers"
-                )
-    return published
+    mark = outbox.query("mark_processed")
+    while batch := rows.fetchmany(settings.batch_size):
+        outbox.check_payload(batch)
+        publisher.publish(batch, lambda: False)
+        acked = [batch[i].id for i in sorted(publisher.acked)]
+        if acked:
+            marker.execute(mark, {"ids": acked})
+            progress.published += len(acked)
+        if publisher.refused:
+            index, error = next(iter(publisher.refused.items()))
+            raise DeliveryError(
+                f"Kafka refused event {batch[index].id} ({batch[index].event_type}, "
+                f"aggregate {batch[index].aggregate_id}): {error}; the handover was undone "
+                f"(no slot was created; {progress.published} events were published and "
+                "marked processed): fix the cause and run it again, or start the pollers again"
+            )
+
+
+def _undone(
+    exc: BaseException, spec: SlotSpec, progress: _Progress, signal_name: str | None
+) -> RelayError:
+    """The one-line error of a handover that stopped before its end."""
+    if isinstance(exc, KeyboardInterrupt):
+        cause = f"it was interrupted ({signal_name or 'SIGINT'})"
+    elif isinstance(exc, psycopg.Error):
+        cause = f"PostgreSQL failed: {_first_line(exc)}"
+    else:
+        cause = _first_line(exc)
+    done = f"{progress.published} events were published and marked processed"
+    if progress.copying:
+        return RelayError(
+            f"the handover stopped while it created slot {spec.slot}: {cause}; {done} (all of "
+            f"them); if cdc-relay status shows slot {spec.slot}, start cdc-relay stream, "
+            "otherwise start the pollers again"
+        )
+    return RelayError(
+        f"the handover stopped before it finished: {cause}; it was undone (no slot was "
+        f"created; {done}): run it again, or start the pollers again"
+    )
+
+
+class _Interrupts:
+    """SIGTERM as Ctrl-C while the handover runs, so that a stop undoes it like a failure
+    (KeyboardInterrupt); both are ignored once it is making the slot, which completes it."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._held = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+    def hold(self) -> None:
+        self._held = True
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self._held:
+            self.received = signal.Signals(signum).name
+            raise KeyboardInterrupt

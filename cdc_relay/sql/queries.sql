@@ -151,14 +151,14 @@ SELECT array(
                         'attempts', 'retry_after', 'last_error', 'processed_at'])
     EXCEPT
     SELECT attname::text FROM pg_attribute
-    WHERE attrelid = to_regclass(%(table)s) AND attnum > 0 AND NOT attisdropped
+    WHERE attrelid = %(oid)s::oid AND attnum > 0 AND NOT attisdropped
 ) AS missing
 
 -- poll_trigger --
 -- Whether a trigger of sql/poller.sql notifies the pollers of new rows in the table
 SELECT EXISTS (
     SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-    WHERE t.tgrelid = to_regclass(%(table)s) AND p.proname = 'outbox_events_notify'
+    WHERE t.tgrelid = %(oid)s::oid AND p.proname = 'outbox_events_notify'
 ) AS present
 
 -- listen --
@@ -175,9 +175,10 @@ SELECT pg_notify(%(channel)s, '')
 -- Worker `shard` of `shards` takes only its share of the aggregates; int4eq() rather than
 -- `=` because the planner then guesses a third of the rows pass, not one in 200, and keeps
 -- walking the index in seq order instead of sorting the whole backlog.
--- The payload is the jsonb text in the database's encoding: the bytes pgoutput sends.
+-- {payload} is payload_bytes or payload_text, chosen by the column's type at start; its type
+-- comes along, so a column retyped while the poller runs is noticed before a row is published.
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
-       convert_to(t.payload::text, getdatabaseencoding()) AS payload, t.attempts
+       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
@@ -247,23 +248,28 @@ WHERE ctid = ANY(ARRAY(
 ))
 
 -- pollers --
--- Other sessions of cdc-relay poll on this database
-SELECT pid FROM pg_stat_activity
-WHERE datname = current_database() AND application_name = %(application)s
-  AND pid <> pg_backend_pid()
-ORDER BY pid
+-- Other sessions holding the advisory lock of the outbox table (poll_lock): pollers hold it
+-- shared, a handover exclusive
+SELECT l.pid, l.mode = 'ExclusiveLock' AS handover
+FROM pg_locks l
+WHERE l.locktype = 'advisory' AND l.granted
+  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND l.classid = %(lock_class)s::int4::oid AND l.objid = %(table)s::oid AND l.objsubid = 2
+  AND l.pid <> pg_backend_pid()
+ORDER BY l.pid
 
 -- set_snapshot --
 -- Read as of a snapshot another session exported (first statement of the transaction)
 SET TRANSACTION SNAPSHOT {snapshot}
 
 -- unprocessed --
--- Every row not yet published, oldest first, as of the transaction's snapshot
-SELECT id::text AS id, aggregate_type, aggregate_id, event_type,
-       convert_to(payload::text, getdatabaseencoding()) AS payload, attempts
-FROM {table}
-WHERE processed_at IS NULL
-ORDER BY seq
+-- Every row not yet published, oldest first, as of the transaction's snapshot; {payload} as
+-- in claim
+SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
+       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts
+FROM {table} AS t
+WHERE t.processed_at IS NULL
+ORDER BY t.seq
 
 -- claim_event --
 -- Record that a consumer handles an event; no row back when it was handled before
@@ -271,3 +277,42 @@ INSERT INTO processed_events (consumer, event_id)
 VALUES (%(consumer)s, %(event_id)s)
 ON CONFLICT DO NOTHING
 RETURNING event_id
+
+-- The polling relay's payload expression, its advisory lock, the handover's slot.
+
+-- poll_payload --
+-- The payload column of the outbox table: its declared type, and whether that is bytea or a
+-- domain over it (the poller chooses payload_bytes or payload_text by it, once)
+WITH RECURSIVE payload (declared, type) AS (
+    SELECT a.atttypid, a.atttypid
+    FROM pg_attribute a
+    WHERE a.attrelid = %(oid)s::oid AND a.attname = 'payload' AND NOT a.attisdropped
+  UNION ALL
+    SELECT p.declared, t.typbasetype
+    FROM payload p JOIN pg_type t ON t.oid = p.type
+    WHERE t.typtype = 'd'
+)
+SELECT (SELECT declared::bigint FROM payload LIMIT 1) AS payload_type,
+       coalesce((SELECT bool_or(type = 'bytea'::regtype) FROM payload), false) AS payload_bytea
+
+-- payload_bytes --
+-- The payload of a bytea column, for claim and unprocessed: the bytes as stored
+t.payload
+
+-- payload_text --
+-- The payload of any other column (text, json, jsonb, ...), for claim and unprocessed: its
+-- text in the database's encoding, the bytes pgoutput sends
+convert_to(t.payload::text, getdatabaseencoding())
+
+-- poll_lock --
+-- Taken by every poller connection before its first claim and held while the session lasts
+-- (session-level, shared: pollers run side by side; a handover takes it exclusive)
+SELECT pg_try_advisory_lock_shared(%(lock_class)s::int4, %(table)s::oid::int4) AS locked
+
+-- handover_lock --
+-- Held by the handover from its checks to its end: no poller claims meanwhile
+SELECT pg_try_advisory_lock(%(lock_class)s::int4, %(table)s::oid::int4) AS locked
+
+-- copy_slot --
+-- The handover's temporary slot copied to a permanent one, at the same position
+SELECT lsn::text AS lsn FROM pg_copy_logical_replication_slot(%(source)s, %(slot)s, false)

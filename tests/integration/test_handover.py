@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
 from relaytools import (
     Load,
     RelayProcess,
+    Writer,
     check,
     consume,
     install_poller,
@@ -32,6 +39,72 @@ def handover(dsn: str, kafka: Any, names: Any) -> subprocess.CompletedProcess[st
         text=True,
         timeout=120,
     )
+
+
+def start_handover(dsn: str, kafka: Any, names: Any) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
+        env={**os.environ, **relay_env(dsn, kafka.bootstrap, names)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def query(dsn: str, statement: Any, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else []
+
+
+def slots(dsn: str) -> list[tuple[str, bool]]:
+    """The database's replication slots: name, temporary."""
+    return [
+        (name, temporary)
+        for name, temporary in query(
+            dsn,
+            "SELECT slot_name::text, temporary FROM pg_replication_slots "
+            "WHERE database = current_database() ORDER BY 1",
+        )
+    ]
+
+
+def marking_waits(dsn: str) -> list[int]:
+    """Sessions of the database waiting for a row lock in an UPDATE: the handover's marking."""
+    return [
+        pid
+        for (pid,) in query(
+            dsn,
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock' AND query LIKE 'UPDATE%%'",
+        )
+    ]
+
+
+@contextmanager
+def marking_held(dsn: str, offset: int) -> Iterator[psycopg.Connection[Any]]:
+    """Make marking the unprocessed row at ``offset`` (in seq order), or any later one, wait
+    until the block ends or the connection yielded closes: a trigger waits for an advisory
+    lock this session holds. (A row lock would not do: its transaction would hold up the
+    creation of the handover's slot, which waits for running transactions.)"""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        ((seq,),) = conn.execute(
+            "SELECT seq FROM outbox_events WHERE processed_at IS NULL ORDER BY seq "
+            "OFFSET %s LIMIT 1",
+            [offset],
+        ).fetchall()
+        conn.execute(
+            "CREATE OR REPLACE FUNCTION test_hold_marking() RETURNS trigger LANGUAGE plpgsql "
+            "AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared(4242); RETURN NEW; END $$"
+        )
+        conn.execute(
+            sql.SQL(
+                "CREATE OR REPLACE TRIGGER test_hold_marking BEFORE UPDATE ON outbox_events "
+                "FOR EACH ROW WHEN (OLD.seq >= {}) EXECUTE FUNCTION test_hold_marking()"
+            ).format(sql.Literal(seq))
+        )
+        conn.execute("SELECT pg_advisory_lock(4242)")
+        yield conn
 
 
 def processed(dsn: str) -> int:
@@ -84,3 +157,152 @@ def test_switch_from_poll_to_stream_under_load_loses_nothing_and_publishes_nothi
     assert verdict.mismatched == []
     assert verdict.out_of_order == []  # one poller process, then the handover, then stream
     assert pending_inserts(outbox_db, names.slot, names.publication) == 0
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "lost connection"])
+def test_a_handover_stopped_midway_leaves_no_slot_and_the_pollers_take_over(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, how: str
+) -> None:
+    install_poller(outbox_db)
+    writer = Writer(outbox_db)
+    for k in range(3):
+        writer.transaction([("order", f"a{i % 10}", {"k": k, "i": i}) for i in range(500)])
+    writer.close()
+    # The handover publishes batch 1 (rows 0-499) and marks it, publishes batch 2 and waits to
+    # mark it.
+    with marking_held(outbox_db, 700):
+        proc = start_handover(outbox_db, kafka_service, names)
+        try:
+            wait_until(lambda: marking_waits(outbox_db), 60, "the handover to wait for the row")
+            ((temporary, is_temporary),) = slots(outbox_db)
+            assert is_temporary, temporary  # the slot itself does not exist yet
+            if how == "SIGKILL":
+                proc.kill()
+            elif how == "SIGTERM":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                query(outbox_db, "SELECT pg_terminate_backend(%s)", marking_waits(outbox_db)[0])
+            _, stderr = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    wait_until(lambda: slots(outbox_db) == [], 30, "no slot left")
+
+    if how == "SIGKILL":
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        assert proc.returncode == 1, stderr
+        cause = (
+            "it was interrupted (SIGTERM)"
+            if how == "SIGTERM"
+            else "PostgreSQL failed: terminating connection due to administrator command"
+        )
+        assert stderr.strip().splitlines()[-1] == (
+            f"cdc-relay: error: the handover stopped before it finished: {cause}; it was "
+            "undone (no slot was created; 500 events were published and marked processed): "
+            "run it again, or start the pollers again"
+        ), stderr
+
+    # The pollers take over: nothing lost, at most the batch published and not marked twice.
+    poll = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), command="poll"
+    ).start()
+    try:
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=1500)
+        assert poll.stop() == 0, poll.log()
+    finally:
+        poll.close()
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(how, verdict)
+    assert verdict.lost == []
+    assert verdict.mismatched == []
+    assert verdict.out_of_order == []
+    assert verdict.duplicates <= 500
+
+
+def test_no_poller_runs_beside_a_handover_and_stream_starts_after_it(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """Pollers started during the handover, or reconnecting during it, stop without claiming;
+    a standby stream relay takes the slot only once the handover has published everything."""
+    install_poller(outbox_db)
+    role = f"poller_{names.suffix}"
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute(
+            sql.SQL("GRANT SELECT, UPDATE ON outbox_events TO {}").format(sql.Identifier(role))
+        )
+    as_role = make_conninfo(outbox_db, user=role)
+    env = relay_env(as_role, kafka_service.bootstrap, names, workers="2", batch_size="50")
+    first = RelayProcess(tmp_path, env, name="first", command="poll").start()
+    late = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="late", command="poll"
+    )
+    stream = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names, standby="true")
+    )
+    load = Load(outbox_db, writers=2, pause=0.005).start()
+    proc = None
+    try:
+        wait_until(lambda: processed(outbox_db) > 200, 60, "the poller to publish")
+        # The first poller loses its connections and cannot log in again for now.
+        query(outbox_db, sql.SQL("ALTER ROLE {} NOLOGIN").format(sql.Identifier(role)))
+        query(
+            outbox_db,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+            role,
+        )
+        wait_until(lambda: "lost the database connection" in first.log(), 30, "a reconnect")
+        with marking_held(outbox_db, 0) as held:
+            proc = start_handover(outbox_db, kafka_service, names)
+            wait_until(lambda: marking_waits(outbox_db), 60, "the handover to wait for the row")
+
+            # A poller started now stops at once, and so does the first one as it reconnects.
+            late.start()
+            assert late.wait(60) == 1
+            query(outbox_db, sql.SQL("ALTER ROLE {} LOGIN").format(sql.Identifier(role)))
+            assert first.wait(60) == 1
+            for poller in (late, first):
+                assert (
+                    poller.log()
+                    .strip()
+                    .splitlines()[-1]
+                    .startswith(
+                        "cdc-relay: error: a handover to stream (cdc-relay setup-slot "
+                        "--from-poller) is running on public.outbox_events (pid "
+                    )
+                ), poller.log()
+
+            # A standby stream relay finds no slot to take yet.
+            stream.start()
+            time.sleep(3)
+            assert [temporary for _, temporary in slots(outbox_db)] == [True]
+            assert "streaming slot" not in stream.log()
+            held.close()
+            stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, stderr
+        if not stream.alive():  # it gave up on the missing slot: start it again, as a supervisor
+            assert "does not exist" in stream.log(), stream.log()
+            stream.start()
+        wait_until(lambda: "streaming slot" in stream.log(), 60, "the stream relay to stream")
+        time.sleep(2)
+        written = load.stop()
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert stream.stop() == 0, stream.log()
+    finally:
+        load.stop()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        for relay in (first, late, stream):
+            relay.close()
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    print(stdout)
+    verdict = check(written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.mismatched == []
+    # Per aggregate: what the poller published, then the handover's backlog, then the stream.
+    assert verdict.out_of_order == []
+    assert verdict.duplicates <= 100  # the first poller's batches in flight when it was cut

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import signal
@@ -16,6 +17,8 @@ from typing import Any
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relaytools import (
     Load,
     Received,
@@ -30,6 +33,8 @@ from relaytools import (
 )
 
 pytestmark = pytest.mark.integration
+
+SQL_DIR = Path(__file__).parents[2] / "sql"
 
 
 @pytest.fixture
@@ -410,3 +415,265 @@ def test_poll_start_errors_are_one_line(outbox_db: str, names: Any) -> None:
         "cdc-relay: error: no Kafka broker answered at 127.0.0.1:9 within 1s"
     ), lines
     assert "check --kafka-bootstrap" in lines[-1]
+
+
+# -- database errors while polling -----------------------------------------------------------
+
+
+def _terminate_pollers(dsn: str) -> None:
+    rows(
+        dsn,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND application_name = 'cdc-relay poll'",
+    )
+
+
+def test_a_read_only_database_is_waited_out_and_every_row_arrives_once_writable(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
+) -> None:
+    database = sql.Identifier(conninfo_to_dict(poller_db)["dbname"])
+    admin = make_conninfo(poller_db, options="-cdefault_transaction_read_only=off")
+    relay = poller(tmp_path, poller_db, kafka_service, names).start()
+    writer = Writer(poller_db)  # its session predates the setting: it stays writable
+    try:
+        writer.transaction([("order", "ro0", {"n": 0})])
+        consume(kafka_service.bootstrap, names.topic_prefix, expected=1, settle=0)
+        # As after a demotion: the poller's new sessions are read-only.
+        with psycopg.connect(poller_db, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} SET default_transaction_read_only = on").format(database)
+            )
+        _terminate_pollers(poller_db)
+        for i in range(1, 21):
+            writer.transaction([("order", f"ro{i % 3}", {"n": i})])
+        wait_until(lambda: "the database is read-only" in relay.log(), 30, "the read-only warning")
+        time.sleep(2)
+        assert relay.alive(), relay.log()
+        assert unprocessed(poller_db) == 20  # nothing claimed, nothing marked
+
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database)
+            )
+        writer.close()
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=21)
+        wait_until(lambda: unprocessed(poller_db) == 0, 30, "every row marked processed")
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("ALTER DATABASE {} RESET default_transaction_read_only").format(database)
+            )
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    log = relay.log()
+    assert "waiting for a writable primary" in log
+    assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("change", ["drop column", "retype payload"])
+def test_a_table_changed_under_the_poller_stops_it_with_one_line_and_nothing_marked(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any, change: str
+) -> None:
+    relay = poller(tmp_path, poller_db, kafka_service, names).start()
+    try:
+        writer = Writer(poller_db)
+        writer.transaction([("order", "a", {"n": 0})])
+        writer.close()
+        consume(kafka_service.bootstrap, names.topic_prefix, expected=1, settle=0)
+        with psycopg.connect(poller_db, autocommit=True) as conn:
+            if change == "drop column":
+                conn.execute("ALTER TABLE outbox_events DROP COLUMN attempts CASCADE")
+                payload = '{"n": 1}'
+            else:
+                # jsonb -> bytea: read with the jsonb expression it would go out as hex text
+                conn.execute(
+                    "ALTER TABLE outbox_events ALTER COLUMN payload TYPE bytea "
+                    "USING convert_to(payload::text, 'UTF8')"
+                )
+                payload = b'{"n": 1}'
+            conn.execute(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) "
+                "VALUES ('order', 'a', 'order.changed', %s)",
+                [payload],
+            )
+        assert relay.wait(60) == 1
+    finally:
+        relay.close()
+    log = relay.log()
+    assert "Traceback" not in log
+    if change == "drop column":
+        assert log.strip().splitlines()[-1] == (
+            "cdc-relay: error: PostgreSQL refused the poller's query on public.outbox_events: "
+            "column t.attempts does not exist (SQLSTATE 42703); make public.outbox_events as "
+            "sql/outbox.sql does, then run it again"
+        )
+    else:
+        assert log.strip().splitlines()[-1] == (
+            "cdc-relay: error: the payload column of public.outbox_events changed type while "
+            "the relay ran; nothing was published from it since: start the relay again, which "
+            "reads the payload by the column's type"
+        )
+    assert unprocessed(poller_db) == 1
+    # Only the first event reached Kafka.
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=2, timeout=5)
+    assert len(received) == 1
+
+
+# -- the outbox table however --table names it -----------------------------------------------
+
+
+def _outbox_in_schema(dsn: str, schema: str) -> str:
+    """A second outbox, with sql/poller.sql, in ``schema``; returns a DSN that finds it first."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(schema)))
+        conn.execute((SQL_DIR / "outbox.sql").read_bytes())
+        conn.execute((SQL_DIR / "poller.sql").read_bytes())
+    return make_conninfo(dsn, options=f"-csearch_path={schema}")
+
+
+@pytest.mark.parametrize(
+    ("spelling", "table", "resolved"),
+    [
+        ("schema-qualified", '"app".Outbox_Events', "app.outbox_events"),
+        ("mixed case", "Outbox_Events", "public.outbox_events"),
+        ("through search_path", "outbox_events", "app.outbox_events"),
+    ],
+)
+def test_every_command_uses_the_table_as_postgresql_resolves_table(
+    tmp_path: Path,
+    poller_db: str,
+    kafka_service: Any,
+    names: Any,
+    spelling: str,
+    table: str,
+    resolved: str,
+) -> None:
+    in_app = _outbox_in_schema(poller_db, "app")
+    writes = poller_db if resolved.startswith("public.") else in_app
+    dsn = in_app if spelling == "through search_path" else poller_db
+    writer = Writer(writes)
+    for i in range(10):
+        writer.transaction([("order", f"t{i % 3}", {"i": i})])
+
+    relay = poller(tmp_path, dsn, kafka_service, names, table=table, progress_interval="0.5")
+    relay.start()
+    try:
+        wait_until(
+            lambda: (
+                "progress: 10 events published, 0 publish failures; 0 unprocessed rows, "
+                "0 dead letters" in relay.log()
+            ),
+            60,
+            "a progress line with the table's counts",
+        )
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    assert f"polling {resolved} with 1 worker" in relay.log()
+    assert "Traceback" not in relay.log()
+
+    # The handover's backlog, with a dead letter in it that the commands find and retry.
+    backlog = [writer.transaction([("order", f"t{i % 3}", {"i": i})])[0] for i in range(10, 15)]
+    writer.close()
+    with psycopg.connect(writes, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "UPDATE {} SET attempts = 10, retry_after = 'infinity', last_error = 'too large' "
+                "WHERE id = %s"
+            ).format(sql.Identifier(*resolved.split("."))),
+            [backlog[0].id],
+        )
+    listed = cli("dead-letters", "list", "--dsn", dsn, "--table", table)
+    assert listed.returncode == 0, listed.stderr
+    assert backlog[0].id in listed.stdout
+    retried = cli("dead-letters", "retry", "--dsn", dsn, "--table", table, "--all")
+    assert retried.returncode == 0, retried.stderr
+    assert retried.stdout.strip() == "queued 1 dead letter again"
+    pruned = cli("prune", "--dsn", dsn, "--table", table, "--older-than", "0s")
+    assert pruned.returncode == 0, pruned.stderr
+    assert pruned.stdout.startswith("pruned 10 processed rows"), pruned.stdout
+
+    env = relay_env(dsn, kafka_service.bootstrap, names, table=table)
+    switched = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert switched.returncode == 0, switched.stderr
+    assert f"created publication {names.publication} on {resolved}" in switched.stdout
+    assert "published 5 events that were unprocessed" in switched.stdout
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=15)
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(spelling, verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
+    assert verdict.mismatched == []
+    assert verdict.out_of_order == []
+
+
+# -- bytea payloads ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("column_type", ["bytea", "a domain over bytea"])
+def test_a_bytea_payload_goes_to_kafka_as_the_stored_bytes(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any, column_type: str
+) -> None:
+    with psycopg.connect(poller_db, autocommit=True) as conn:
+        if column_type != "bytea":
+            conn.execute("CREATE DOMAIN blob AS bytea")
+        conn.execute(
+            sql.SQL(
+                "ALTER TABLE outbox_events ALTER COLUMN payload TYPE {} "
+                "USING convert_to(payload::text, 'UTF8')"
+            ).format(sql.Identifier("bytea" if column_type == "bytea" else "blob"))
+        )
+    samples = [
+        b"\x00\xff\xfe\x00 not text",
+        b"\\x41 looks like hex",
+        "Zoë, in Latin-1".encode("latin-1"),
+        b'{"json": "as bytes"}',
+        random.randbytes(3000),
+    ]
+    stored: dict[str, bytes] = {}
+
+    def write(batch: list[bytes]) -> None:
+        with psycopg.connect(poller_db) as conn:
+            for n, payload in enumerate(batch):
+                ((event_id,),) = conn.execute(
+                    "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)"
+                    " VALUES ('file', %s, 'file.stored', %s) RETURNING id::text",
+                    [f"f{n % 2}", payload],
+                ).fetchall()
+                stored[event_id] = payload
+
+    write(samples)  # published by the poller
+    relay = poller(tmp_path, poller_db, kafka_service, names).start()
+    try:
+        consume(kafka_service.bootstrap, names.topic_prefix, expected=len(samples), settle=0)
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    write(samples[::-1])  # published by the handover
+    switched = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
+        env={**os.environ, **relay_env(poller_db, kafka_service.bootstrap, names)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert switched.returncode == 0, switched.stderr
+    assert f"published {len(samples)} events" in switched.stdout
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=2 * len(samples))
+    assert {r.id: r.value for r in received} == stored
+    assert len(received) == len(stored)
