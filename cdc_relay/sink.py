@@ -12,7 +12,7 @@ import logging
 import re
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
@@ -188,21 +188,18 @@ class KafkaSink:
         if self.broken and not len(self._producer):
             self.renew()
         try:
-            self._produce(message, functools.partial(self._delivered, token))
+            self._producer.produce(
+                message.topic,
+                message.value,
+                message.key,
+                headers=message.headers,  # type: ignore[arg-type]
+                on_delivery=functools.partial(self._delivered, token),
+            )
         except BufferError:
             return False
         except KafkaException as exc:
             self._on_refused(token, exc.args[0])
         return True
-
-    def _produce(self, message: Message, on_delivery: Callable[..., None]) -> None:
-        self._producer.produce(
-            message.topic,
-            value=message.value,
-            key=message.key,
-            headers=cast(list[tuple[str, str | bytes | None]], message.headers),
-            on_delivery=on_delivery,
-        )
 
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; raise DeliveryError if the producer failed for good."""

@@ -163,6 +163,7 @@ class StreamRelay:
         self._lone_result: object = _PENDING
         self._rewinds = 0  # rewinds in a row that were retries, for the pause before the next
         self._acks = 0  # acknowledgements not yet added to the published counter
+        self._events_seen = 0  # events sent at the last tick, for SINCE_LAST_EVENT
 
     def _acked(self, token: Token) -> None:
         transaction = token[0]
@@ -384,7 +385,6 @@ class StreamRelay:
                 self._settle()
                 self._culprit(message, token, err)
         self.progress.events += 1
-        self._last_event = time.monotonic()
 
     def _offer(self, message: Message, token: Token) -> KafkaError | None:
         """Hand ``message`` to the sink, waiting while its queue is full (the walsender still
@@ -471,9 +471,12 @@ class StreamRelay:
             self._published.inc(self._acks)
             self._acks = 0
         now = time.monotonic()
+        if self.progress.events != self._events_seen:
+            self._events_seen = self.progress.events
+            self._last_event = now
         since = now - self._last_status
         safe = self.tracker.safe_lsn
-        if self._watcher is not None:
+        if self._watcher is not None and not self._watcher.shutting_down:
             # Not past a position the table's publication was last seen to cover (watch.py).
             safe = min(safe, self._watcher.verified)
         if (

@@ -49,6 +49,10 @@ class Watcher:
         """A WAL position before which every commit was decoded with the table published."""
         self.problem: str | None = None
         """Why the stream must stop, with the remedy; set once."""
+        self.shutting_down = False
+        """The server refuses new connections because it is shutting down: it waits for the
+        walsender to have every WAL position confirmed, and no transaction commits any more."""
+        self._failing = False
         self._stop = threading.Event()
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
@@ -76,11 +80,24 @@ class Watcher:
                 self._conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
             self._check(self._conn, wal=rounds % self._wal_every == 0)
         except psycopg.Error as exc:
-            # The database is away: nothing is verified meanwhile, so nothing is confirmed.
-            log.debug("watcher: %s", exc)
+            # Nothing is verified meanwhile, so nothing new is confirmed: unless the server is
+            # shutting down, which waits for the walsender to have everything confirmed.
+            # admin_shutdown ends our session; then new ones fail with "the database system is
+            # shutting down" (cannot_connect_now, which libpq reports without its SQLSTATE).
+            self.shutting_down = exc.sqlstate in ("57P01", "57P03") or "shutting down" in str(exc)
+            if not self._failing and not self.shutting_down:
+                log.warning(
+                    "cannot check the outbox table and its publication, so the slot is not "
+                    "confirmed further until it can: %s",
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                    extra={"action": "watch_failed"},
+                )
+            self._failing = True
             if self._conn is not None:
                 self._conn.close()
             self._conn = None
+        else:
+            self._failing = self.shutting_down = False
 
     def _check(self, conn: psycopg.Connection[dict[str, Any]], wal: bool) -> None:
         if self.problem is not None:
