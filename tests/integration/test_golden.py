@@ -213,7 +213,23 @@ TEXT_PAYLOAD = GoldenFile(
     paths=(*STREAM_PATHS, "poll"),
 )
 
-GOLDEN_FILES = (OUTBOX, HEADER_COLUMNS_FILE, TEXT_PAYLOAD)
+BYTEA_PAYLOAD = GoldenFile(
+    name="bytea_payload",
+    table="outbox_bytea",
+    payload_type="bytea",
+    transactions=(
+        (
+            Event(24, "blob", "b-1", "blob.stored", b"\x0a\x0b\x0c\x00\xff"),
+            Event(25, "blob", "b-1", "blob.emptied", b""),  # empty: a tombstone
+            Event(26, "blob", "b-2", "blob.stored", "héllo".encode()),  # raw, though UTF-8
+            Event(27, "blob", "b-2", "blob.stored", b"\\x41"),  # raw, though it reads as hex
+            Event(28, "blob", "b-3", "blob.erased", None),  # NULL: a tombstone
+        ),
+    ),
+    paths=(*STREAM_PATHS, "poll"),
+)
+
+GOLDEN_FILES = (OUTBOX, HEADER_COLUMNS_FILE, TEXT_PAYLOAD, BYTEA_PAYLOAD)
 
 # Why a path does not reproduce a golden file: it cannot write or relay those events.
 ABSENT = {
@@ -222,6 +238,8 @@ ABSENT = {
     ("header_columns", "poll"): "cdc-relay poll has no --header-column",
     ("text_payload", "message-pgoutput"): "outbox_emit() takes jsonb: no empty or non-JSON text",
     ("text_payload", "message-wal2json"): "outbox_emit() takes jsonb: no empty or non-JSON text",
+    ("bytea_payload", "message-pgoutput"): "outbox_emit() takes jsonb: no raw bytes",
+    ("bytea_payload", "message-wal2json"): "outbox_emit() takes jsonb: no raw bytes",
 }
 
 
@@ -381,21 +399,19 @@ def write_scenario(dsn: str, golden: GoldenFile, as_messages: bool) -> None:
 
 def stored_messages(dsn: str, golden: GoldenFile) -> dict[str, tuple[Any, ...]]:
     """What each event must become by the design (key = aggregate_id, value = the payload bytes
-    as PostgreSQL stores them, tombstone for NULL or empty), read back from PostgreSQL: the
-    check a recording must pass."""
+    as the table stores them, tombstone for NULL or empty), read back from the table: the check
+    a recording must pass."""
+    payload = sql.SQL(
+        "payload" if golden.payload_type == "bytea" else "convert_to(payload::text, 'UTF8')"
+    )
+    query = sql.SQL("SELECT {} FROM {} WHERE id = %s::uuid").format(
+        payload, sql.Identifier(golden.table)
+    )
     expected = {}
     with psycopg.connect(dsn, autocommit=True) as conn:
         for event in golden.events:
-            if golden.payload_type == "bytea":
-                row = conn.execute("SELECT %s::bytea", [event.payload]).fetchone()
-            else:
-                row = conn.execute(
-                    sql.SQL("SELECT convert_to(%s::{}::text, 'UTF8')").format(
-                        sql.SQL(golden.payload_type)
-                    ),
-                    [event.payload],
-                ).fetchone()
-            assert row is not None
+            row = conn.execute(query, [event.id]).fetchone()
+            assert row is not None, f"event {event.id} is not in {golden.table}"
             value = bytes(row[0]) if row[0] else None
             headers: list[tuple[str, bytes | None]] = [
                 ("id", event.id.encode()),
