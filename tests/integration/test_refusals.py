@@ -912,7 +912,7 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
         relay = poll_relay(tmp_path, outbox_db, broker.bootstrap, names, scenario)
         try:
             relay.start()
-            wait_until(settled, 90, "the culprit to be a dead letter, the rest published", 0.05)
+            wait_until(settled, 60, "the culprit to be a dead letter, the rest published", 0.05)
             received = consume(broker.bootstrap, prefix, len(workload.innocents), 60, settle=1.5)
             code = relay.stop()
         finally:
