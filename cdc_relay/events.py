@@ -167,7 +167,13 @@ class RowMapper:
     payload_is_bytea: bool = False
 
     @classmethod
-    def for_relation(cls, relation: Relation, layout: OutboxLayout | None = None) -> RowMapper:
+    def for_relation(
+        cls,
+        relation: Relation,
+        layout: OutboxLayout | None = None,
+        bytea_types: frozenset[int] = frozenset({BYTEA_OID}),
+    ) -> RowMapper:
+        """The mapper of ``relation``'s rows; ``bytea_types`` are bytea and its domains."""
         layout = layout or OutboxLayout()
         positions = {column.name: i for i, column in enumerate(relation.columns)}
         missing = [layout.column(f) for f in FIELDS if layout.column(f) not in positions]
@@ -189,7 +195,7 @@ class RowMapper:
             event_type=positions[layout.event_type],
             payload=positions[layout.payload],
             headers=headers,
-            payload_is_bytea=relation.columns[positions[layout.payload]].type_oid == BYTEA_OID,
+            payload_is_bytea=relation.columns[positions[layout.payload]].type_oid in bytea_types,
         )
 
     def event(self, row: Insert, begin: Begin) -> OutboxEvent:
@@ -271,7 +277,8 @@ def bytea_from_text(text: bytes) -> bytes:
 
 def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
     """An event from a logical decoding message whose content is the JSON envelope
-    ``{"id", "aggregate_type", "aggregate_id", "event_type", "payload"}``.
+    ``{"v": 2, "id", "aggregate_type", "aggregate_id", "event_type", "payload"}``, the payload
+    left out when it is NULL (an envelope without "v", of an older outbox_emit(), has null).
 
     The payload is written as PostgreSQL prints jsonb, so an event sent this way and the
     same event sent as a table row are byte-identical on Kafka.
@@ -294,9 +301,15 @@ def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
             raise SchemaError(f"logical outbox message at {message.lsn:X} lacks a string {field!r}")
         return str(value)
 
-    payload = envelope.get("payload", None)
+    # Version 2 (sql/outbox.sql) leaves the payload out when it is NULL, so that JSON null is
+    # the value null; before it, null stood for both.
+    if str(envelope.get("v")) == "2":
+        missing = "payload" not in envelope
+    else:
+        missing = envelope.get("payload") is None
+    payload = envelope.get("payload")
     try:
-        payload_bytes = None if payload is None else jsonb_text(payload).encode()
+        payload_bytes = None if missing else jsonb_text(payload).encode()
     except UnicodeEncodeError:  # a lone surrogate escape: not text PostgreSQL would store
         raise SchemaError(
             f"logical outbox message at {message.lsn:X} has a payload that is not valid "

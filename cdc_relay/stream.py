@@ -25,6 +25,7 @@ from cdc_relay.errors import (
     SlotInUseError,
 )
 from cdc_relay.events import (
+    BYTEA_OID,
     Begin,
     Commit,
     Insert,
@@ -144,6 +145,7 @@ class StreamRelay:
         self._table = OutboxTable(0, "", "", partitioned=False)
         self._watcher: Watcher | None = None
         self._relations: dict[int, str] = {}  # relid -> name, for messages about other tables
+        self._bytea_types: frozenset[int] = frozenset({BYTEA_OID})  # and its domains
         self._stop = False
         self._conn: ReplicationConnection | None = None
         self._mappers: dict[int, RowMapper | None] = {}
@@ -332,7 +334,9 @@ class StreamRelay:
         by_oid = self._plugin == "pgoutput" and record.relid == table.oid
         self._relations[record.relid] = record.qualified_name
         self._mappers[record.relid] = (
-            RowMapper.for_relation(record, self.settings.layout) if by_oid or by_name else None
+            RowMapper.for_relation(record, self.settings.layout, self._bytea_types)
+            if by_oid or by_name
+            else None
         )
         if by_oid and not by_name:
             log.info(
@@ -537,12 +541,14 @@ class StreamRelay:
                 )
             if self.dead_letters is not None:
                 self.dead_letters.check(conn)
+            row = conn.execute(QUERIES["bytea_types"]).fetchone()
+            self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return table, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
     def _open(self) -> ReplicationConnection:
         """Connect and start streaming; decoder state starts afresh with each connection."""
         if self._plugin == "wal2json":
-            self._decode = Wal2JsonDecoder().decode
+            self._decode = Wal2JsonDecoder(self._bytea_types).decode
             options = {
                 **wal2json.START_OPTIONS,
                 "add-tables": wal2json.table_filter(self._table.schema, self._table.name),

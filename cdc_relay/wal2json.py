@@ -107,8 +107,9 @@ def _escape(name: str) -> str:
 class Wal2JsonDecoder:
     """Turns wal2json (format-version 2) messages into :mod:`cdc_relay.events` records."""
 
-    def __init__(self) -> None:
+    def __init__(self, bytea_types: frozenset[int] = frozenset({BYTEA_OID})) -> None:
         self._relations: dict[tuple[Any, ...], Relation] = {}
+        self._bytea_types = bytea_types  # bytea and its domains (their type OIDs)
 
     def decode(self, message: bytes) -> Sequence[Record]:
         """Decode one message; a row of a new column layout comes after its Relation."""
@@ -167,8 +168,11 @@ class Wal2JsonDecoder:
             oid = _digits(column.get("typeoid")) or 0
             oids.append(oid)
             value = _value(column.get("value"))
-            if oid == BYTEA_OID and isinstance(value, bytes):
-                value = b"\\x" + value  # wal2json drops the \x of hex output: pgoutput's form
+            if oid in self._bytea_types and isinstance(value, bytes):
+                # Hex output (the relay sets it): wal2json drops the \x of bytea itself but
+                # not of a domain over it; pgoutput's form has it.
+                if not value.startswith(b"\\x"):
+                    value = b"\\x" + value
             values.append(value)
         key = (schema, table, tuple(names), tuple(oids))
         relation = self._relations.get(key)

@@ -62,16 +62,19 @@ CREATE OR REPLACE FUNCTION outbox_emit(
     prefix         text DEFAULT 'outbox'
 ) RETURNS uuid
 LANGUAGE sql VOLATILE AS $$
+    -- Envelope version 2: a NULL payload leaves "payload" out, so that the JSON value null
+    -- ('null'::jsonb) reaches Kafka as the 4 bytes null, as it does from a row.
     SELECT pg_logical_emit_message(
         true,
         prefix,
-        jsonb_build_object(
+        (jsonb_build_object(
+            'v', 2,
             'id', id,
             'aggregate_type', aggregate_type,
             'aggregate_id', aggregate_id,
-            'event_type', event_type,
-            'payload', payload
-        )::text
+            'event_type', event_type
+        ) || CASE WHEN payload IS NULL THEN '{}'::jsonb
+                  ELSE jsonb_build_object('payload', payload) END)::text
     );
     SELECT id;
 $$;

@@ -74,6 +74,15 @@ SELECT p.pubinsert AS inserts,
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
+-- bytea_types --
+-- bytea and every domain over it, however deep: their values are sent as bytea's text
+WITH RECURSIVE b(oid) AS (
+    SELECT 'bytea'::regtype::oid
+    UNION
+    SELECT t.oid FROM pg_type t JOIN b ON t.typbasetype = b.oid WHERE t.typtype = 'd'
+)
+SELECT array_agg(oid::bigint) AS oids FROM b
+
 -- wal_lsn --
 -- The WAL insert position now
 SELECT pg_current_wal_lsn()::text AS lsn
