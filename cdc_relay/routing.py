@@ -105,12 +105,14 @@ class Router:
         ]
         if event.headers:
             headers.extend(event.headers)
+        # Per event: the common cases inline (a cached topic, a payload), the rest in methods.
+        topic = self._topics.get((event.aggregate_type, event.event_type)) or self.topic(event)
         return Message(
-            topic=self.topic(event),
-            key=None if event.aggregate_id is None else event.aggregate_id.encode(),
-            value=self._value(event),
-            headers=headers,
-            lsn=event.commit_lsn,
+            topic,
+            None if event.aggregate_id is None else event.aggregate_id.encode(),
+            event.payload if event.payload else self._value(event),
+            headers,
+            event.commit_lsn,
         )
 
     def _value(self, event: OutboxEvent) -> bytes | None:

@@ -65,14 +65,15 @@ def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, s
     settings: dict[str, str] = {}
     for key, value in overrides.items():
         name = _ALIASES.get(key, key)
+        # Named by key only, like every error about --kafka-config and --kafka-config-file.
+        where = f"the Kafka setting {key} (--kafka-config or --kafka-config-file)"
         if name in FORBIDDEN:
-            raise UsageError(f"--kafka-config {key}: {FORBIDDEN[name]}")
+            raise UsageError(f"{where}: {FORBIDDEN[name]}")
         accepted = REQUIRED.get(name)
         if accepted is not None and value.strip().lower() not in accepted:
             why = _REMEDIES.get(name, "it would let events be lost or reordered")
             raise UsageError(
-                f"--kafka-config {key}={value.strip()}: {why}; cdc-relay needs "
-                f"{name}={accepted[0]}: remove the setting"
+                f"{where}: {why}; cdc-relay needs {name}={accepted[0]}: remove the setting"
             )
         settings[name if accepted is not None else key] = value
     required = {key: accepted[0] for key, accepted in REQUIRED.items()}
@@ -270,12 +271,16 @@ class KafkaSink:
 
 
 def _gapless_warning(record: logging.LogRecord) -> bool:
-    """False for librdkafka's warning that enable.gapless.guarantee is experimental: the relay
-    sets it on purpose (REQUIRED), and every new producer would repeat it."""
+    """False for librdkafka's lines about the gapless guarantee: its warning that the setting is
+    experimental (the relay sets it on purpose, REQUIRED) and its FATAL line when a refused
+    batch stops the producer, which the relay handles and reports itself (refusals.py)."""
     args = record.args
-    return not (
-        isinstance(args, tuple) and args[:1] == ("CONFWARN",) and "gapless" in str(args[-1])
-    )
+    if not isinstance(args, tuple) or not args:
+        return True
+    text = str(args[-1]).lower()
+    if args[0] == "CONFWARN":
+        return "gapless" not in text
+    return not (args[0] == "FATAL" and "gap-less" in text)
 
 
 _KAFKA_LOG.addFilter(_gapless_warning)

@@ -116,6 +116,7 @@ class _Rewind(Exception):
 
 
 _PENDING = object()  # no report yet for the message sent alone
+_UNKNOWN = RowMapper.__new__(RowMapper)  # no Relation seen for a relid
 
 # A token of the sink: the event's transaction, and its id for the refusals.
 Token = tuple[Transaction, str]
@@ -298,12 +299,12 @@ class StreamRelay:
 
     def _handle(self, record: Record) -> None:
         if isinstance(record, Insert):
-            if record.relid not in self._mappers or self._begin is None:
+            mapper = self._mappers.get(record.relid, _UNKNOWN)
+            if mapper is _UNKNOWN or self._begin is None:
                 raise RelayError(
                     f"insert into relation {record.relid} arrived before its Relation or Begin "
                     "message; this is a bug, please report it"
                 )
-            mapper = self._mappers[record.relid]
             if mapper is None:
                 self._other_table(record.relid)
                 return
@@ -611,9 +612,10 @@ class StreamRelay:
         retry = self._note_refusals()
         token, err = refusals[0]
         log.warning(
-            "Kafka refused %d events (the first, %s: %s); replaying from %s and sending each "
+            "Kafka refused %d event%s (the first, %s: %s); replaying from %s and sending each "
             "of them alone to find the one it refuses",
             len(refusals),
+            "" if len(refusals) == 1 else "s",
             token[1],
             err.str(),
             format_lsn(self.tracker.safe_lsn),
