@@ -393,14 +393,7 @@ def status_command(
             ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
             ("WAL retained", _bytes(state["wal_retained_bytes"])),
             ("outbox table", state["table"]),
-            (
-                "publication",
-                f"{publication} (does not cover the table)"
-                if state["publication_problem"]
-                else f"{publication}"
-                if state["plugin"] == "pgoutput"
-                else "-",
-            ),
+            ("publication", _publication(state)),
             ("unprocessed rows", _count(state["unprocessed_rows"])),
             ("dead letters", _count(state["dead_letters"])),
         ]
@@ -410,6 +403,14 @@ def status_command(
             click.echo(f"ALERT: {alert}", err=True)
     if alerts:
         sys.exit(3)
+
+
+def _publication(state: dict[str, Any]) -> str:
+    if not state["publication_exists"]:
+        return f"{state['publication']} (missing)"
+    if state["publication_problem"]:
+        return f"{state['publication']} (does not cover the table)"
+    return str(state["publication"])
 
 
 def _bytes(value: int | None) -> str:

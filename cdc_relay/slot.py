@@ -271,10 +271,11 @@ def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, 
         slot = _one(conn, "slot", slot=slot_name)
         found = _one(conn, "table", table=table)
         outbox = find_table(conn, table)
-        # Only a pgoutput slot reads the publication.
+        published = bool(_one(conn, "publication", publication=publication))
+        # Only a pgoutput slot reads the publication; one that is not there is shown as such.
         publication_problem = (
             coverage_problem(conn, publication, outbox)
-            if outbox is not None and slot.get("plugin") == "pgoutput"
+            if outbox is not None and published and slot.get("plugin") == "pgoutput"
             else None
         )
         counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
@@ -293,6 +294,7 @@ def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, 
         "wal_retained_bytes": slot.get("retained_bytes"),
         "table": found.get("name") if found else table,
         "publication": publication,
+        "publication_exists": published,
         "publication_problem": publication_problem,
         "unprocessed_rows": counts.get("unprocessed"),
         "dead_letters": counts.get("dead_letters"),

@@ -64,13 +64,12 @@ WHERE c.oid = %(oid)s::oid
 
 -- coverage --
 -- Whether the publication publishes inserts of the table itself (a partitioned table only with
--- publish_via_partition_root: otherwise its rows come under the names of its partitions)
+-- publish_via_partition_root: otherwise its rows come under the names of its partitions).
+-- pg_get_publication_tables gives OIDs, and needs no privilege on the tables' schemas.
 SELECT p.pubinsert AS inserts,
        p.pubviaroot AS via_root,
-       EXISTS (SELECT 1 FROM pg_publication_tables t
-               WHERE t.pubname = p.pubname
-                 AND to_regclass(format('%%I.%%I', t.schemaname, t.tablename)) = %(oid)s::oid)
-           AS covered
+       EXISTS (SELECT 1 FROM pg_get_publication_tables(p.pubname::text) AS g
+               WHERE g.relid = %(oid)s::oid) AS covered
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 

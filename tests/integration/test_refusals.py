@@ -534,7 +534,7 @@ def assert_shared_batches(scenario: Scenario, workload: Workload, main: list[Rec
 
 def refused_together(log: str) -> list[int]:
     """How many events each rewind of the stream found refused."""
-    return [int(n) for n in re.findall(r"Kafka refused (\d+) events", log)]
+    return [int(n) for n in re.findall(r"Kafka refused (\d+) events? ", log)]
 
 
 def assert_isolated(scenario: Scenario, log: str) -> None:
