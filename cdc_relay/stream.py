@@ -116,7 +116,6 @@ class _Rewind(Exception):
 
 
 _PENDING = object()  # no report yet for the message sent alone
-_UNKNOWN = RowMapper.__new__(RowMapper)  # no Relation seen for a relid
 
 # A token of the sink: the event's transaction, and its id for the refusals.
 Token = tuple[Transaction, str]
@@ -299,12 +298,12 @@ class StreamRelay:
 
     def _handle(self, record: Record) -> None:
         if isinstance(record, Insert):
-            mapper = self._mappers.get(record.relid, _UNKNOWN)
-            if mapper is _UNKNOWN or self._begin is None:
+            if record.relid not in self._mappers or self._begin is None:
                 raise RelayError(
                     f"insert into relation {record.relid} arrived before its Relation or Begin "
                     "message; this is a bug, please report it"
                 )
+            mapper = self._mappers[record.relid]
             if mapper is None:
                 self._other_table(record.relid)
                 return

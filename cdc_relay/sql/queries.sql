@@ -134,13 +134,6 @@ SELECT outbox_emit(%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(paylo
 INSERT INTO {table} (id, aggregate_type, aggregate_id, event_type, payload)
 VALUES (%(id)s, %(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s)
 
--- table_name --
--- The schema and name of a table as pgoutput's Relation messages spell them
-SELECT n.nspname AS schema, c.relname AS name
-FROM pg_class c
-JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE c.oid = to_regclass(%(table)s)
-
 -- unprocessed_count --
 -- Rows the polling relay has not processed yet
 SELECT count(*)::bigint AS unprocessed FROM {table} WHERE processed_at IS NULL
