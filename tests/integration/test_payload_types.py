@@ -71,3 +71,39 @@ def test_json_null_is_the_value_null_as_a_row_and_as_a_message(
         relay.close()
     values = {r.id[-1]: r.value for r in received}
     assert values == {"1": b"null", "2": b"null", "3": None}
+
+
+def test_transaction_shapes_savepoint_rolled_back_copy_and_upsert(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """Only what commits is relayed: a savepoint rolled back takes its event with it; rows
+    written by COPY and by an upsert are events like any other."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    ids = [f"00000000-0000-0000-0000-00000000001{n}" for n in range(5)]
+    insert = (
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+        "VALUES (%s, 'shape', 'k', 'x', '{}')"
+    )
+    try:
+        with psycopg.connect(outbox_db) as conn:
+            conn.execute(insert, (ids[0],))
+            with conn.transaction():  # a savepoint inside the transaction, rolled back
+                conn.execute(insert, (ids[1],))
+                raise psycopg.Rollback
+        with psycopg.connect(outbox_db) as conn:
+            with conn.cursor().copy(
+                "COPY outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+                "FROM STDIN"
+            ) as copy:
+                copy.write_row((ids[2], "shape", "k", "x", "{}"))
+            conn.execute(insert.replace("'{}')", "'{}') ON CONFLICT (id) DO NOTHING"), (ids[3],))
+            conn.execute(  # a conflict: nothing inserted, no event
+                insert.replace("'{}')", "'{}') ON CONFLICT (id) DO NOTHING"), (ids[0],)
+            )
+            conn.execute(insert, (ids[4],))
+        received = consume(kafka_service.bootstrap, names.topic_prefix, 4, settle=2)
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+    assert [r.id for r in received] == [ids[0], ids[2], ids[3], ids[4]]
