@@ -164,6 +164,7 @@ class StreamRelay:
         self._lone: Token | None = None  # the message sent alone, waiting for its report
         self._lone_result: object = _PENDING
         self._rewinds = 0  # rewinds in a row that were retries, for the pause before the next
+        self._pause_next = False  # a suspect sent alone met an error not about it: pause first
         self._acks = 0  # acknowledgements not yet added to the published counter
         self._events_seen = 0  # events sent at the last tick, for SINCE_LAST_EVENT
 
@@ -440,15 +441,18 @@ class StreamRelay:
         err = self._deliver_alone(message, token)
         if err is None:
             self._suspects.discard(token[1])
+            self._rewinds = 0
         elif is_culprit(err):
             self._culprit(message, token, err)
         else:  # not about this message after all: try again after a pause
             self._refusals.append((token, err))
+            self._pause_next = True
             raise _Rewind
 
     def _culprit(self, message: Message, token: Token, err: KafkaError) -> None:
         """Kafka refuses this event for good: stop at it, or dead-letter it and go on."""
         self._suspects.discard(token[1])
+        self._rewinds = 0
         if self.dead_letters is None:
             raise refusal_error(message, err, "stream")
         self.dead_letters.store(message, err)
@@ -608,7 +612,8 @@ class StreamRelay:
         nothing after a refused batch through) and replay from the confirmed position,
         sending each suspect alone (cdc_relay.refusals)."""
         refusals = self._refusals
-        retry = self._note_refusals()
+        retry = self._note_refusals() or self._pause_next
+        self._pause_next = False
         token, err = refusals[0]
         log.warning(
             "Kafka refused %d event%s (the first, %s: %s); replaying from %s and sending each "
