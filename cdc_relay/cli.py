@@ -462,8 +462,9 @@ def _count(value: int | None) -> str:
 )
 @_option(
     "--dead-letter-topic",
-    help="Send events Kafka refuses for good (too large, ...) here, with the error in "
-    "headers, and go on; without it the relay stops at such an event.",
+    help="Keep events Kafka refuses for good (too large, not authorised, invalid for their "
+    "topic) in table cdc_relay_dead_letters (sql/outbox.sql) and send them here, with the "
+    "error in headers, and go on; without it the relay stops at such an event.",
 )
 @_option(
     "--ignore-other-tables",
