@@ -67,6 +67,18 @@ def _ids(kafka: Any, names: Any, expected: int) -> list[str]:
     return [r.id for r in consume(kafka.bootstrap, names.topic_prefix, expected, settle=1)]
 
 
+def _streaming(tmp_path: Path, dsn: str, kafka: Any, names: Any) -> tuple[RelayProcess, str]:
+    """A relay streaming the outbox, shown by a first event on Kafka; the relay and its id."""
+    relay = _relay(tmp_path, dsn, kafka, names).start()
+    try:
+        first, _ = _insert(dsn, "outbox_events", "a")
+        assert _ids(kafka, names, 1) == [first]
+    except BaseException:
+        relay.close()
+        raise
+    return relay, first
+
+
 def _stopped_with(relay: RelayProcess, text: str) -> str:
     assert relay.wait(60) == 1, relay.log()
     log = relay.log()
@@ -81,10 +93,8 @@ def test_a_renamed_table_and_one_moved_to_another_schema_are_followed(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    relay, first = _streaming(tmp_path, outbox_db, kafka_service, names)
     try:
-        first, _ = _insert(outbox_db, "outbox_events", "a")
-        assert _ids(kafka_service, names, 1) == [first]
         _sql(outbox_db, "ALTER TABLE outbox_events RENAME TO outbox_events_v2")
         renamed, _ = _insert(outbox_db, "outbox_events_v2", "a")
         _sql(outbox_db, "CREATE SCHEMA moved", "ALTER TABLE outbox_events_v2 SET SCHEMA moved")
@@ -102,10 +112,8 @@ def test_a_wal2json_slot_stops_at_a_rename_before_confirming_past_it(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names, plugin="wal2json")
-    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
     try:
-        first, _ = _insert(outbox_db, "outbox_events", "a")
-        assert _ids(kafka_service, names, 1) == [first]
         before = _wal_lsn(outbox_db)
         _sql(outbox_db, "ALTER TABLE outbox_events RENAME TO outbox_events_v2")
         _insert(outbox_db, "outbox_events_v2", "a")
@@ -119,10 +127,8 @@ def test_the_table_dropped_from_the_publication_stops_the_relay_before_the_slot_
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
     try:
-        first, _ = _insert(outbox_db, "outbox_events", "a")
-        assert _ids(kafka_service, names, 1) == [first]
         before = _wal_lsn(outbox_db)
         _sql(outbox_db, f"ALTER PUBLICATION {names.publication} DROP TABLE outbox_events")
         _insert(outbox_db, "outbox_events", "a")
@@ -154,10 +160,8 @@ def test_a_dropped_table_stops_the_relay_and_its_events_arrive_after_it_is_made_
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    relay, first = _streaming(tmp_path, outbox_db, kafka_service, names)
     try:
-        first, _ = _insert(outbox_db, "outbox_events", "a")
-        assert _ids(kafka_service, names, 1) == [first]
         # The last event of the old table commits just before the drop.
         with psycopg.connect(outbox_db) as conn:
             last_id = str(uuid.uuid4())
@@ -193,10 +197,8 @@ def test_a_row_of_another_published_table_stops_the_relay_unless_told_to_skip_it
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    relay, first = _streaming(tmp_path, outbox_db, kafka_service, names)
     try:
-        first, _ = _insert(outbox_db, "outbox_events", "a")
-        assert _ids(kafka_service, names, 1) == [first]
         _sql(
             outbox_db,
             "CREATE TABLE audit (id int)",
