@@ -246,10 +246,6 @@ def _text(value: Value, column: str, event_id: str | None = None) -> str:
     return value.decode()
 
 
-def _optional_text(value: Value, column: str) -> str | None:
-    return None if value is None else _text(value, column)
-
-
 def _payload(value: Value, bytea: bool = False) -> bytes | None:
     if isinstance(value, _Unchanged):
         # An INSERT always carries every value; UNCHANGED here means a plugin bug.

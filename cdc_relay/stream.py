@@ -405,18 +405,20 @@ class StreamRelay:
                 return err
             if accepted:
                 return None
-            self._serve(0.05)
-            self._send_status()
-            if self._stop:
-                raise _Stopping
+            self._wait_for_kafka()
 
     def _settle(self) -> None:
         """Wait until Kafka answered for every message sent; a refusal rewinds."""
         while self.sink.in_flight():
-            self._serve(0.05)
-            self._send_status()
-            if self._stop:
-                raise _Stopping
+            self._wait_for_kafka()
+
+    def _wait_for_kafka(self) -> None:
+        """Wait a little for delivery reports, the walsender still hearing from us (invariant
+        6); a refusal rewinds, a stop ends the wait."""
+        self._serve(0.05)
+        self._send_status()
+        if self._stop:
+            raise _Stopping
 
     def _deliver_alone(self, message: Message, token: Token) -> KafkaError | None:
         """Send ``message`` with nothing else in flight and wait for its report: whatever
@@ -428,10 +430,7 @@ class StreamRelay:
             if err is not None:
                 return err
             while self._lone_result is _PENDING:
-                self.sink.poll(0.05)
-                self._send_status()
-                if self._stop:
-                    raise _Stopping
+                self._wait_for_kafka()  # nothing else is in flight: no refusal but its own
             return self._lone_result if isinstance(self._lone_result, KafkaError) else None
         finally:
             self._lone = None
