@@ -457,6 +457,62 @@ def stored_dead_letters(dsn: str) -> list[tuple[Any, ...]]:
     return [(r[0], r[1], _bytes(r[2]), _bytes(r[3]), r[4], r[5]) for r in rows]
 
 
+@dataclass
+class DeadLetterRun:
+    """What a stream with a dead-letter topic did with a scenario's workload."""
+
+    workload: Workload
+    relay: RelayProcess
+    main: list[Received]
+    letters: list[Received]
+    verdict: Verdict
+    alive: bool
+    code: int
+    pending: int
+
+
+def stream_with_dead_letters(
+    tmp_path: Path,
+    dsn: str,
+    bootstrap: str,
+    names: Any,
+    scenario: Scenario,
+    row: Row,
+    dead_letter_config: dict[str, str] | None = None,
+) -> DeadLetterRun:
+    """Write the scenario's workload, stream it with a dead-letter topic until every event
+    arrived, stop the relay; the matrix row filled in."""
+    prefix = names.topic_prefix
+    prepare(scenario, dsn, bootstrap, prefix, dead_letter_config)
+    setup_slot(dsn, names)
+    workload = write_workload(scenario, dsn)
+    relay = stream_relay(
+        tmp_path, dsn, bootstrap, names, scenario, dead_letter_topic=f"{prefix}.{DEAD}"
+    )
+    try:
+        relay.start()
+        received = consume(bootstrap, prefix, len(workload.committed), 60, settle=2)
+        alive = relay.alive()
+        code = relay.stop()
+        pending = pending_inserts(dsn, names.slot, names.publication)
+    finally:
+        relay.close()
+    main, letters = split(received, prefix)
+    verdict = check(workload.innocents, main, prefix)
+    row.lost, row.reordered, row.duplicates = (
+        len(verdict.lost),
+        len(verdict.out_of_order),
+        verdict.duplicates,
+    )
+    row.outcome = (
+        f"ran on: {len(letters)} letter(s) "
+        f"({'with' if letters and letters[0].value else 'without'} value), "
+        f"{len(stored_dead_letters(dsn))} in table; {pending} left in the slot"
+    )
+    print(verdict)
+    return DeadLetterRun(workload, relay, main, letters, verdict, alive, code, pending)
+
+
 def split(received: list[Received], prefix: str) -> tuple[list[Received], list[Received]]:
     """(messages on the main topics, messages on the dead-letter topic)."""
     dead = f"{prefix}.{DEAD}"
@@ -665,47 +721,17 @@ def test_stream_dead_letters_exactly_the_culprit_and_goes_on(
 ) -> None:
     prefix = names.topic_prefix
     with matrix_row(scenario.name, "dead-letter topic", "stream") as row:
-        prepare(scenario, outbox_db, broker.bootstrap, prefix)
-        setup_slot(outbox_db, names)
-        workload = write_workload(scenario, outbox_db)
-        relay = stream_relay(
-            tmp_path,
-            outbox_db,
-            broker.bootstrap,
-            names,
-            scenario,
-            dead_letter_topic=f"{prefix}.{DEAD}",
-        )
-        try:
-            relay.start()
-            received = consume(broker.bootstrap, prefix, len(workload.committed), 60, settle=2)
-            alive = relay.alive()
-            code = relay.stop()
-            pending = pending_inserts(outbox_db, names.slot, names.publication)
-        finally:
-            relay.close()
-        main, letters = split(received, prefix)
-        verdict = check(workload.innocents, main, prefix)
-        row.lost, row.reordered, row.duplicates = (
-            len(verdict.lost),
-            len(verdict.out_of_order),
-            verdict.duplicates,
-        )
-        row.outcome = (
-            f"ran on: {len(letters)} letter(s) "
-            f"({'with' if letters and letters[0].value else 'without'} value), "
-            f"{len(stored_dead_letters(outbox_db))} in table; {pending} left in the slot"
-        )
-        print(verdict)
+        run = stream_with_dead_letters(tmp_path, outbox_db, broker.bootstrap, names, scenario, row)
+        workload, relay, main, letters = run.workload, run.relay, run.main, run.letters
 
-        assert alive, relay.log()[-4000:]
-        assert code == 0, relay.log()[-4000:]
-        assert pending == 0
+        assert run.alive, relay.log()[-4000:]
+        assert run.code == 0, relay.log()[-4000:]
+        assert run.pending == 0
         assert [r.id for r in letters] == [workload.culprit.id]
         assert_letter(letters[0], workload.culprit, scenario, prefix)
         assert_stored(outbox_db, workload.culprit, scenario, prefix)
         assert workload.culprit.id not in {r.id for r in main}
-        assert_delivered(verdict)
+        assert_delivered(run.verdict)
         assert_shared_batches(scenario, workload, main)
         # The replay that isolates the culprit sends its neighbours again, once at most.
         assert max(Counter(r.id for r in main).values()) <= 2
@@ -815,46 +841,23 @@ def test_a_payload_the_dead_letter_topic_refuses_too_stays_in_the_table(
     prefix = names.topic_prefix
     mode = "dead-letter topic as small"
     with matrix_row(scenario.name, mode, "stream") as row:
-        prepare(scenario, outbox_db, kafka_service.bootstrap, prefix, scenario.topics["blob"])
-        setup_slot(outbox_db, names)
-        workload = write_workload(scenario, outbox_db)
-        relay = stream_relay(
+        run = stream_with_dead_letters(
             tmp_path,
             outbox_db,
             kafka_service.bootstrap,
             names,
             scenario,
-            dead_letter_topic=f"{prefix}.{DEAD}",
+            row,
+            dead_letter_config=scenario.topics["blob"],
         )
-        try:
-            relay.start()
-            received = consume(
-                kafka_service.bootstrap, prefix, len(workload.committed), 60, settle=2
-            )
-            code = relay.stop()
-            pending = pending_inserts(outbox_db, names.slot, names.publication)
-        finally:
-            relay.close()
-        main, letters = split(received, prefix)
-        verdict = check(workload.innocents, main, prefix)
-        row.lost, row.reordered, row.duplicates = (
-            len(verdict.lost),
-            len(verdict.out_of_order),
-            verdict.duplicates,
-        )
-        row.outcome = (
-            f"ran on: {len(letters)} letter(s) "
-            f"({'with' if letters and letters[0].value else 'without'} value), "
-            f"{len(stored_dead_letters(outbox_db))} in table with value; {pending} left"
-        )
-        print(verdict)
+        workload, relay, letters = run.workload, run.relay, run.letters
 
-        assert code == 0, relay.log()[-4000:]
-        assert pending == 0
+        assert run.code == 0, relay.log()[-4000:]
+        assert run.pending == 0
         assert [r.id for r in letters] == [workload.culprit.id]
         assert_letter(letters[0], workload.culprit, scenario, prefix, with_value=False)
         assert_stored(outbox_db, workload.culprit, scenario, prefix)
-        assert_delivered(verdict)
+        assert_delivered(run.verdict)
         assert "Traceback" not in relay.log()
 
 
