@@ -45,8 +45,8 @@ def test_a_password_in_dsn_is_gone_from_proc_cmdline(tmp_path: Path) -> None:
                 with connection:
                     cmdline = Path(f"/proc/{relay.pid}/cmdline").read_bytes()
                     comm = Path(f"/proc/{relay.pid}/comm").read_text().strip()
-                    ps = subprocess.run(
-                        ["ps", "-o", "args=", "-p", str(relay.pid)],
+                    ps = subprocess.run(  # -ww: a ps without a terminal cuts at 80 columns
+                        ["ps", "-ww", "-o", "args=", "-p", str(relay.pid)],
                         capture_output=True,
                         text=True,
                         check=False,
