@@ -544,15 +544,16 @@ def stream(
     type=click.IntRange(1, 64),
     default=1,
     show_default=True,
-    help="Claiming threads, each with its own connection and producer. Each owns a share of "
-    "the aggregates, so one process keeps every aggregate's order.",
+    help="Claiming threads, each with its own connection and producer. One transaction at a "
+    "time holds an aggregate, so any number of workers and processes keep its order.",
 )
 @_option(
     "--batch-size",
     type=click.IntRange(1, 100_000),
     default=500,
     show_default=True,
-    help="Rows claimed, published and marked per transaction.",
+    help="Rows claimed, published and marked per transaction; each claim locks up to as "
+    "many aggregates (PostgreSQL advisory locks).",
 )
 @_option(
     "--poll-interval",
@@ -610,9 +611,10 @@ def poll(
 ) -> None:
     """Publish the outbox by polling it: no replication slot needed.
 
-    Claims batches with FOR UPDATE SKIP LOCKED, publishes them through the same router and
-    producer as stream, marks them processed. Stops cleanly on SIGTERM or Ctrl-C: finishes
-    or releases the current batches, exits 0.
+    Claims batches, one aggregate per transaction at a time (so any number of pollers keep
+    each aggregate's order), publishes them through the same router and producer as stream,
+    marks them processed. Stops cleanly on SIGTERM or Ctrl-C: finishes or releases the
+    current batches, exits 0.
     """
     logs.configure(log_format, log_level)
     settings = PollSettings(

@@ -1,12 +1,14 @@
 """The polling relay: claim outbox rows, publish them through the same router and sink as
 ``stream``, mark them processed.
 
-One cycle is one transaction: claim a bounded batch (``FOR UPDATE SKIP LOCKED`` over the
-partial index of unprocessed rows), produce it in ``seq`` order, wait for Kafka's delivery
-reports, mark the delivered rows processed in one statement and the refused ones for a later
-try, commit. Each worker is a thread with its own connection and its own producer (librdkafka
-does its work outside the GIL), and owns a share of the aggregates, so the workers of one
-process keep each aggregate's order. A listener thread turns NOTIFY into wake-ups.
+One cycle is one transaction: lock the aggregates of the next rows (transaction-level
+advisory locks, skipping those another poller holds), claim those aggregates' rows, produce
+them in ``seq`` order, wait for Kafka's delivery reports, mark the delivered rows processed in
+one statement and the refused ones for a later try, commit. One transaction at a time holds an
+aggregate, so any number of workers and processes keep each aggregate's order. Each worker is
+a thread with its own connection and its own producer (librdkafka does its work outside the
+GIL) and looks first at its share of the aggregates. A listener thread turns NOTIFY into
+wake-ups.
 
 Every command resolves ``--table`` once (:func:`resolve`) and names the table by its schema and
 name from then on. Every poller connection holds the table's advisory lock, shared, before
@@ -264,6 +266,19 @@ def _refusals(outbox: Outbox, doing: str) -> Iterator[None]:
         raise _refusal(exc, outbox, doing) from None
 
 
+def _check_lock_room(conn: psycopg.Connection[dict[str, Any]], settings: PollSettings) -> None:
+    """Each worker's claim locks up to --batch-size aggregates in PostgreSQL's shared lock
+    table; refuse a configuration that would take over half of it."""
+    room = int((conn.execute(QUERIES["lock_room"]).fetchone() or {})["room"])
+    need = settings.workers * settings.batch_size
+    if need > room // 2:
+        raise PreflightError(
+            f"--workers x --batch-size = {need} aggregate locks at once, over half of "
+            f"PostgreSQL's lock table ({room}: max_locks_per_transaction x max_connections); "
+            "lower --batch-size or --workers, or raise max_locks_per_transaction"
+        )
+
+
 def _take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
     """Take the outbox's advisory lock, shared, for as long as the session lasts; a
     PreflightError if a handover holds it.
@@ -440,6 +455,7 @@ class Worker:
         self.counts = Counts()
         self.released = 0  # messages whose reports had not come when the worker stopped
         self._conn: psycopg.Connection[Any] | None = None
+        self._claim_aggregates = outbox.query("claim_aggregates")
         self._claim = outbox.query("claim")
         self._mark_processed = outbox.query("mark_processed")
         self._mark_failed = outbox.query("mark_failed")
@@ -533,9 +549,23 @@ class Worker:
         conn = self._connection()
         started = time.monotonic()
         with conn.transaction():
+            # Two statements: the second's snapshot sees what the aggregates' last holders
+            # committed before their locks came free (see claim_aggregates in queries.sql).
+            with conn.cursor(row_factory=dict_row) as cur:
+                locked = cur.execute(
+                    self._claim_aggregates,
+                    {
+                        "limit": settings.batch_size,
+                        "shard": self.shard,
+                        "shards": settings.workers,
+                        "table_oid": self.outbox.table.oid,
+                    },
+                ).fetchone()
+            keys = locked["keys"] if locked else []
+            if not keys:
+                return 0
             rows = conn.execute(
-                self._claim,
-                {"limit": settings.batch_size, "shard": self.shard, "shards": settings.workers},
+                self._claim, {"limit": settings.batch_size, "keys": keys}
             ).fetchall()
             if not rows:
                 return 0
@@ -694,6 +724,7 @@ class PollRelay:
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},
                 )
+            _check_lock_room(conn, self.settings)
             _take_poll_lock(conn, outbox)  # refused now rather than after connecting to Kafka
         return outbox
 

@@ -169,13 +169,56 @@ LISTEN {channel}
 -- Wake the pollers (sql/poller.sql's trigger does the same on insert)
 SELECT pg_notify(%(channel)s, '')
 
+-- claim_aggregates --
+-- A claim's first step: walk the rows to publish, oldest first, and lock the aggregates of the
+-- next `limit` of them for the rest of the transaction; returns the lock keys it got. A row
+-- whose aggregate another poller (of this process or another) is publishing is walked past:
+-- one transaction at a time publishes an aggregate, so its rows go out in order even with many
+-- pollers. Rows waiting out a backoff and dead letters (retry_after = 'infinity') are not
+-- due, nor are the rows behind a row of their aggregate that waits. Worker `shard` of
+-- `shards` takes only its share of the aggregates (int4eq() rather than `=`: the planner then
+-- guesses a third of the rows pass, not one in 200, and keeps walking the index in seq order
+-- instead of sorting the whole backlog). The key is a hash of the aggregate: two aggregates
+-- that share one are published one after the other, never out of order.
+-- The locks are tried outside the ordered subquery (OFFSET 0 keeps the planner from merging
+-- the two, and a volatile condition is never pushed into it), on the rows it hands out in seq
+-- order until `limit` got one: inside, a plan that sorts would try a lock on every row before
+-- the first comes out, and hold every aggregate of the backlog. The waiting test comes first
+-- (CASE), so only a row otherwise due takes a lock: a transaction holds at most `limit` (the
+-- poller checks at start that PostgreSQL's lock table has room for them).
+SELECT coalesce(array_agg(DISTINCT d.key), '{{}}') AS keys
+FROM (
+    SELECT head.key
+    FROM (
+        SELECT t.seq, t.aggregate_type, t.aggregate_id,
+               hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) AS key
+        FROM {table} AS t
+        WHERE t.processed_at IS NULL
+          AND (t.retry_after IS NULL OR t.retry_after <= now())
+          AND int4eq(mod(hashtext(coalesce(t.aggregate_id, '')) & 2147483647, %(shards)s),
+                     %(shard)s)
+        ORDER BY t.seq
+        OFFSET 0
+    ) AS head
+    WHERE CASE WHEN EXISTS (
+                   SELECT 1 FROM {table} AS w
+                   WHERE w.processed_at IS NULL AND w.retry_after > now()
+                     AND w.retry_after < 'infinity'
+                     AND w.aggregate_type = head.aggregate_type
+                     AND w.aggregate_id = head.aggregate_id
+                     AND w.seq < head.seq)
+               THEN false
+               ELSE pg_try_advisory_xact_lock(%(table_oid)s::oid::int4, head.key)
+          END
+    LIMIT %(limit)s
+) AS d
+
 -- claim --
--- The next rows to publish, oldest first, locked until the transaction ends. Rows another
--- poller holds are skipped; rows waiting out a backoff and dead letters (retry_after =
--- 'infinity') are not due, nor are the rows behind a row of their aggregate that waits.
--- Worker `shard` of `shards` takes only its share of the aggregates; int4eq() rather than
--- `=` because the planner then guesses a third of the rows pass, not one in 200, and keeps
--- walking the index in seq order instead of sorting the whole backlog.
+-- A claim's second step, in a new snapshot taken once the aggregates are locked (so what the
+-- previous holder of each committed is seen): the next rows of those aggregates, oldest first,
+-- due as in claim_aggregates, locked until the transaction ends. Only a poller holding an
+-- aggregate's key locks its rows, so none is skipped: a row locked by anything else is waited
+-- for, since the rows behind it must not go first.
 -- {payload} is payload_bytes or payload_text, chosen by the column's type at start; its type
 -- comes along, so a column retyped while the poller runs is noticed before a row is published.
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
@@ -183,7 +226,7 @@ SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
-  AND int4eq(mod(hashtext(coalesce(t.aggregate_id, '')) & 2147483647, %(shards)s), %(shard)s)
+  AND hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) = ANY(%(keys)s::int4[])
   AND NOT EXISTS (
       SELECT 1 FROM {table} AS w
       WHERE w.processed_at IS NULL AND w.retry_after > now() AND w.retry_after < 'infinity'
@@ -191,7 +234,7 @@ WHERE t.processed_at IS NULL
         AND w.seq < t.seq)
 ORDER BY t.seq
 LIMIT %(limit)s
-FOR UPDATE OF t SKIP LOCKED
+FOR UPDATE OF t
 
 -- mark_processed --
 -- Rows Kafka acknowledged, in one statement, found by primary key (a condition on
@@ -304,6 +347,12 @@ t.payload
 -- The payload of any other column (text, json, jsonb, ...), for claim and unprocessed: its
 -- text in the database's encoding, the bytes pgoutput sends
 convert_to(t.payload::text, getdatabaseencoding())
+
+-- lock_room --
+-- Entries of PostgreSQL's shared lock table (at least: background processes add some)
+SELECT current_setting('max_locks_per_transaction')::bigint
+       * (current_setting('max_connections')::bigint
+          + current_setting('max_prepared_transactions')::bigint) AS room
 
 -- poll_lock --
 -- Taken by every poller connection before its first claim and held while the session lasts

@@ -295,12 +295,13 @@ class Writer:
 
 @dataclass
 class Load:
-    """Writers in threads, each owning its aggregates, until stopped; with ``reconnect`` they
-    ride out a lost connection (see ``Writer``)."""
+    """Writers in threads, each owning ``aggregates`` ids of each type, until stopped; with
+    ``reconnect`` they ride out a lost connection (see ``Writer``)."""
 
     dsn: str
     writers: int = 3
     pause: float = 0.002
+    aggregates: int = 7
     reconnect: bool = False
     written: list[Written] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -321,7 +322,11 @@ class Load:
             while not self._stop.is_set():
                 size = 1 + i % 5
                 events = [
-                    (("order", "customer")[j % 2], f"w{n}-a{(i + j) % 7}", {"w": n, "i": i, "j": j})
+                    (
+                        ("order", "customer")[j % 2],
+                        f"w{n}-a{(i + j) % self.aggregates}",
+                        {"w": n, "i": i, "j": j},
+                    )
                     for j in range(size)
                 ]
                 self.written.extend(writer.transaction(events))

@@ -61,6 +61,21 @@ def rows(dsn: str, query: str, *params: Any) -> list[tuple[Any, ...]]:
         return conn.execute(query, params).fetchall()
 
 
+def lost_rows(dsn: str, ids: list[str]) -> list[tuple[Any, ...]]:
+    """What the database says of rows Kafka did not show: whether a poller marked them."""
+    return rows(
+        dsn,
+        "SELECT id::text, seq, aggregate_id, attempts, created_at, processed_at, last_error "
+        "FROM outbox_events WHERE id = ANY(%s::uuid[]) ORDER BY seq",
+        ids,
+    )
+
+
+def processed(dsn: str) -> int:
+    ((count,),) = rows(dsn, "SELECT count(*) FROM outbox_events WHERE processed_at IS NOT NULL")
+    return int(count)
+
+
 def unprocessed(dsn: str) -> int:
     ((count,),) = rows(dsn, "SELECT count(*) FROM outbox_events WHERE processed_at IS NULL")
     return int(count)
@@ -310,7 +325,8 @@ def test_several_pollers_at_once_publish_every_row_once(
         for n in range(3)
     ]
     try:
-        load = Load(poller_db, writers=3, pause=0).start()
+        # Many aggregates, so that one poller's batches cannot hold them all.
+        load = Load(poller_db, writers=3, pause=0, aggregates=200).start()
         time.sleep(3)
         written = load.stop()
         received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
@@ -323,11 +339,69 @@ def test_several_pollers_at_once_publish_every_row_once(
         int(re.findall(r"progress: (\d+) events published", relay.log())[-1]) for relay in relays
     ]
     print(verdict, "published per poller:", published)
-    assert verdict.lost == []
+    assert verdict.lost == [], lost_rows(poller_db, verdict.lost)
     assert verdict.mismatched == []
     assert verdict.duplicates == 0
+    assert verdict.out_of_order == []  # one poller at a time publishes an aggregate
     assert sum(published) == len(written)
     assert sum(1 for n in published if n > 0) >= 2  # they did share the work
+
+
+def test_a_poller_whose_host_vanishes_mid_claim_is_not_overtaken_by_its_replacement(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
+) -> None:
+    """A host vanishing freezes its poller (SIGSTOP here): neither its PostgreSQL nor its
+    Kafka connection moves again, and PostgreSQL keeps its session, with the claim, until it
+    notices (TCP keepalives, or an operator: pg_terminate_backend, as here). A replacement
+    poller started meanwhile must not publish the later rows of the claimed aggregates before
+    the claimed rows: it leaves those aggregates alone until the session is gone."""
+
+    def claim_holders() -> list[int]:  # the pollers' sessions in the middle of a claim
+        return [
+            pid
+            for (pid,) in rows(
+                poller_db,
+                "SELECT pid FROM pg_stat_activity "
+                "WHERE application_name = 'cdc-relay poll' AND state = 'idle in transaction'",
+            )
+        ]
+
+    vanishing = poller(tmp_path, poller_db, kafka_service, names, name="vanishing")
+    vanishing.env["CDC_RELAY_BATCH_SIZE"] = "100"
+    replacement = poller(tmp_path, poller_db, kafka_service, names, name="replacement")
+    load = Load(poller_db, writers=3, pause=0.001, aggregates=50).start()
+    vanishing.start()
+    try:
+        wait_until(lambda: processed(poller_db) > 500, 60, "the first poller to publish")
+        for _ in range(50):  # freeze it in the middle of a claim
+            time.sleep(random.uniform(0, 0.05))
+            vanishing.signal(signal.SIGSTOP)
+            held = claim_holders()
+            if held:
+                break
+            vanishing.signal(signal.SIGCONT)
+        else:
+            pytest.fail("never caught the poller holding a claim in 50 tries")
+        before = processed(poller_db)
+        replacement.start()
+        time.sleep(5)  # the replacement publishes every aggregate but the claimed ones
+        assert processed(poller_db) > before  # it did work meanwhile
+        rows(poller_db, "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", held)
+        time.sleep(2)  # now it takes those too
+        written = load.stop()
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert replacement.stop() == 0
+    finally:
+        load.stop()
+        vanishing.kill()
+        replacement.close()
+        vanishing.close()
+    verdict = check(written, received, names.topic_prefix)
+    print(verdict, "claim holders frozen:", held)
+    assert verdict.lost == [], lost_rows(poller_db, verdict.lost)
+    assert verdict.mismatched == []
+    assert verdict.out_of_order == []
+    assert verdict.duplicates <= 100  # at most the frozen claim, published twice
 
 
 def test_prune_and_dead_letter_commands(poller_db: str) -> None:
@@ -405,6 +479,12 @@ def test_poll_start_errors_are_one_line(outbox_db: str, names: Any) -> None:
         "cdc-relay: error: table no_such_table does not exist; create it with sql/outbox.sql, "
         "or name yours with --table"
     )
+    # Each claim locks up to --batch-size aggregates in PostgreSQL's shared lock table.
+    greedy = cli(*base, "--workers", "8", "--batch-size", "100000")
+    assert greedy.returncode == 1
+    (line,) = greedy.stderr.strip().splitlines()[-1:]
+    assert line.startswith("cdc-relay: error: --workers x --batch-size = 800000 aggregate locks")
+    assert "raise max_locks_per_transaction" in line
     # The table is there but sql/poller.sql is not: the poller warns and goes on polling,
     # then finds no broker.
     unreachable = cli(*base)
