@@ -38,8 +38,9 @@ from cdc_relay.poller import (
     retry_dead_letters,
 )
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
+from cdc_relay.shards import MAX_SHARDS, Shard, every_shard
 from cdc_relay.sink import producer_config
-from cdc_relay.slot import SlotSpec, drop, setup, status
+from cdc_relay.slot import SlotSpec, drop, reshard, setup, status
 from cdc_relay.stream import StreamRelay, StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -98,6 +99,34 @@ _TABLE = _option(
     show_default=True,
     help="The outbox table, optionally schema-qualified.",
 )
+
+
+_COLUMNS = _option(
+    "--column",
+    "columns",
+    multiple=True,
+    metavar="FIELD=COLUMN",
+    help="Map an event field (id, aggregate_type, aggregate_id, event_type, payload) to a "
+    "column of your outbox table; repeatable.",
+)
+_SHARDS = _option(
+    "--shards",
+    type=click.IntRange(1, MAX_SHARDS),
+    help="Work on N shards: slots and publications named SLOT_KofN and PUBLICATION_KofN, each "
+    "publication filtered on a hash of the aggregate id (PostgreSQL 15 or newer).",
+)
+
+
+def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Shard | None:
+    return None if value is None else Shard.parse(value)
+
+
+def _specs(
+    slot: str, publication: str, table: str, count: int | None, **more: Any
+) -> list[SlotSpec]:
+    """The slot and publication of each shard, or the one pair when ``count`` is None."""
+    spec = SlotSpec(slot=slot, publication=publication, table=table, **more)
+    return [spec] if count is None else [spec.sharded(shard) for shard in every_shard(count)]
 
 
 def database_options(func: F) -> F:
@@ -258,6 +287,8 @@ def cli() -> None:
     show_default=True,
     help="Logical decoding plugin of the slot.",
 )
+@_SHARDS
+@_COLUMNS
 @click.option(
     "--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing."
 )
@@ -274,6 +305,8 @@ def setup_slot(
     publication: str,
     table: str,
     plugin: str,
+    shards: int | None,
+    columns: tuple[str, ...],
     dry_run: bool,
     from_poller: bool,
     kafka_bootstrap: str | None,
@@ -286,9 +319,19 @@ def setup_slot(
     """Check the database and create the publication and the replication slot.
 
     Safe to run again: what exists already is reported and left as it is. With
-    --from-poller (and the Kafka options) it is the switch from poll to stream.
+    --from-poller (and the Kafka options) it is the switch from poll to stream. With
+    --shards N, one slot and publication per shard.
     """
-    spec = SlotSpec(slot=slot, publication=publication, table=table, plugin=plugin)
+    aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
+    specs = _specs(
+        slot, publication, table, shards, plugin=plugin, aggregate_column=aggregate_column
+    )
+    spec = specs[0]
+    if from_poller and shards is not None:
+        raise UsageError(
+            "--from-poller hands over to one stream relay: set it up without --shards, then "
+            "reshard (cdc-relay reshard --from 1 --to N)"
+        )
     if from_poller:
         if dry_run or not kafka_bootstrap:
             raise UsageError(
@@ -309,36 +352,88 @@ def setup_slot(
         for line in handover(settings, spec).lines:
             click.echo(line)
         return
-    report = setup(dsn, spec, dry_run=dry_run)
-    if dry_run:
-        click.echo("-- preflight passed; setup-slot would run:")
-        for statement in report.statements or ["-- nothing: everything exists"]:
-            click.echo(statement)
-    for line in report.existing:
-        click.echo(f"exists: {line}")
-    for line in report.done:
-        click.echo(line)
+    for each in specs:
+        report = setup(dsn, each, dry_run=dry_run)
+        if dry_run:
+            click.echo("-- preflight passed; setup-slot would run:")
+            for statement in report.statements or ["-- nothing: everything exists"]:
+                click.echo(statement)
+        for line in report.existing:
+            click.echo(f"exists: {line}")
+        for line in report.done:
+            click.echo(line)
 
 
 @cli.command("drop-slot")
 @database_options
+@_SHARDS
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
-def drop_slot(dsn: str, slot: str, publication: str, table: str, yes: bool) -> None:
-    """Remove the replication slot and the publication.
+def drop_slot(
+    dsn: str, slot: str, publication: str, table: str, shards: int | None, yes: bool
+) -> None:
+    """Remove the replication slot and the publication (of every shard, with --shards).
 
     Events committed since the slot's last confirmed position will not be relayed.
     """
+    specs = _specs(slot, publication, table, shards)
     if not yes:
+        names = ", ".join(spec.slot for spec in specs)
         click.confirm(
-            f"Drop slot {slot} and publication {publication}? Unrelayed events are lost",
-            abort=True,
+            f"Drop slot {names} and its publication? Unrelayed events are lost", abort=True
         )
-    removed = drop(dsn, SlotSpec(slot=slot, publication=publication, table=table))
+    removed = [name for spec in specs for name in drop(dsn, spec)]
     click.echo("dropped " + ", ".join(removed) if removed else "nothing to drop")
+
+
+@cli.command("reshard")
+@database_options
+@click.option(
+    "--from",
+    "before",
+    type=click.IntRange(1, MAX_SHARDS),
+    required=True,
+    help="The shard count the relays stream now; 1 for the slot without shards.",
+)
+@click.option(
+    "--to",
+    "after",
+    type=click.IntRange(1, MAX_SHARDS),
+    required=True,
+    help="The shard count to go to.",
+)
+@_COLUMNS
+def reshard_command(
+    dsn: str,
+    slot: str,
+    publication: str,
+    table: str,
+    before: int,
+    after: int,
+    columns: tuple[str, ...],
+) -> None:
+    """Go from N shards to M while the application writes, at one cut in the WAL.
+
+    Creates the M new shards' publications and slots, then writes the cut: every old relay
+    delivers what was committed before it and stops at it (exit 0), every new relay (stream
+    --shard K/M, started before or after) relays what comes after it. Nothing is lost, nothing
+    is published twice. Then drop the old shards: drop-slot --shards N (or without --shards
+    when N is 1).
+    """
+    if before == after:
+        raise UsageError(f"--from and --to are both {before}: nothing to reshard")
+    spec = SlotSpec(
+        slot=slot,
+        publication=publication,
+        table=table,
+        aggregate_column=OutboxLayout.from_options(columns, ()).aggregate_id,
+    )
+    for line in reshard(dsn, spec, before, after):
+        click.echo(line)
 
 
 @cli.command("status")
 @database_options
+@_SHARDS
 @click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
 @click.option(
     "--max-wal-retained",
@@ -358,6 +453,7 @@ def status_command(
     slot: str,
     publication: str,
     table: str,
+    shards: int | None,
     as_json: bool,
     max_wal_retained: int | None,
     max_unprocessed: int | None,
@@ -366,39 +462,50 @@ def status_command(
 ) -> None:
     """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
 
-    With thresholds it is a check for scripts and cron: exit 3 when one is crossed.
+    With --shards N, every shard's slot. With thresholds it is a check for scripts and cron:
+    exit 3 when one is crossed.
     """
-    state = status(dsn, slot, table, publication)
-    alerts = []
-    if not state["exists"]:
-        alerts.append(f"slot {slot} does not exist")
-    if state["publication_problem"]:
-        alerts.append(state["publication_problem"])
-    if require_active and not state["active"]:
-        alerts.append(f"no relay is streaming slot {slot}")
-    for key, limit, what in (
-        ("wal_retained_bytes", max_wal_retained, "bytes of WAL retained"),
-        ("unprocessed_rows", max_unprocessed, "unprocessed rows"),
-        ("dead_letters", max_dead_letters, "dead letters"),
-    ):
-        if limit is not None and (state[key] or 0) > limit:
-            alerts.append(f"{state[key]} {what} (limit {limit})")
+    states, alerts = [], []
+    for spec in _specs(slot, publication, table, shards):
+        state = status(dsn, spec.slot, table, spec.publication)
+        mine = []
+        if not state["exists"]:
+            mine.append(f"slot {spec.slot} does not exist")
+        if state["publication_problem"]:
+            mine.append(state["publication_problem"])
+        if require_active and not state["active"]:
+            mine.append(f"no relay is streaming slot {spec.slot}")
+        for key, limit, what in (
+            ("wal_retained_bytes", max_wal_retained, f"bytes of WAL retained by {spec.slot}"),
+            ("unprocessed_rows", max_unprocessed, "unprocessed rows"),
+            ("dead_letters", max_dead_letters, "dead letters"),
+        ):
+            if limit is not None and (state[key] or 0) > limit:
+                mine.append(f"{state[key]} {what} (limit {limit})")
+        states.append((spec, state))
+        alerts += [alert for alert in mine if alert not in alerts]
     if as_json:
-        click.echo(json.dumps({**state, "alerts": alerts}))
+        found = [state for _, state in states]
+        click.echo(
+            json.dumps({**(found[0] if shards is None else {"shards": found}), "alerts": alerts})
+        )
     else:
-        rows = [
-            ("slot", slot if state["exists"] else f"{slot} (missing)"),
-            ("active", f"yes (pid {state['active_pid']})" if state["active"] else "no"),
-            ("plugin", state["plugin"] or "-"),
-            ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
-            ("WAL retained", _bytes(state["wal_retained_bytes"])),
-            ("outbox table", state["table"]),
-            ("publication", _publication(state)),
-            ("unprocessed rows", _count(state["unprocessed_rows"])),
-            ("dead letters", _count(state["dead_letters"])),
-        ]
-        for name, value in rows:
-            click.echo(f"{name:<17} {value}")
+        for spec, state in states:
+            if spec.shard is not None:
+                click.echo(f"-- shard {spec.shard}")
+            rows = [
+                ("slot", spec.slot if state["exists"] else f"{spec.slot} (missing)"),
+                ("active", f"yes (pid {state['active_pid']})" if state["active"] else "no"),
+                ("plugin", state["plugin"] or "-"),
+                ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
+                ("WAL retained", _bytes(state["wal_retained_bytes"])),
+                ("outbox table", state["table"]),
+                ("publication", _publication(state)),
+                ("unprocessed rows", _count(state["unprocessed_rows"])),
+                ("dead letters", _count(state["dead_letters"])),
+            ]
+            for name, value in rows:
+                click.echo(f"{name:<17} {value}")
         for alert in alerts:
             click.echo(f"ALERT: {alert}", err=True)
     if alerts:
@@ -439,13 +546,13 @@ def _count(value: int | None) -> str:
     help="Seconds between standby status updates; keep well under wal_sender_timeout.",
 )
 @run_options
+@_COLUMNS
 @_option(
-    "--column",
-    "columns",
-    multiple=True,
-    metavar="FIELD=COLUMN",
-    help="Map an event field (id, aggregate_type, aggregate_id, event_type, payload) to a "
-    "column of your outbox table; repeatable.",
+    "--shard",
+    callback=_shard,
+    metavar="K/N",
+    help="Stream shard K of N (0 <= K < N): slot SLOT_KofN and publication PUBLICATION_KofN, "
+    "made by setup-slot --shards N; the events of every aggregate go through one shard.",
 )
 @_option(
     "--header-column",
@@ -494,6 +601,7 @@ def stream(
     kafka_timeout: float,
     progress_interval: float,
     columns: tuple[str, ...],
+    shard: Shard | None,
     header_columns: tuple[str, ...],
     message_prefix: str,
     tombstone_on_empty_payload: bool,
@@ -512,8 +620,8 @@ def stream(
     logs.configure(log_format, log_level)
     settings = StreamSettings(
         dsn=dsn,
-        slot=slot,
-        publication=publication,
+        slot=shard.name(slot) if shard else slot,
+        publication=shard.name(publication) if shard else publication,
         table=table,
         kafka_config=producer_config(
             kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
@@ -529,6 +637,7 @@ def stream(
         dead_letter_topic=dead_letter_topic,
         standby=standby,
         ignore_other_tables=ignore_other_tables,
+        shard=shard,
     )
     relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):

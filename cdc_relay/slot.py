@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
@@ -14,23 +15,37 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
+from cdc_relay.lsn import format_lsn
+from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ReplicationConnection
+from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut, every_shard
 
 log = logging.getLogger(__name__)
 
 PLUGINS = ("pgoutput", "wal2json")
 MIN_VERSION_NUM = 140000
+MIN_SHARDS_VERSION_NUM = 150000  # publication row filters
 
 
 @dataclass(frozen=True)
 class SlotSpec:
-    """What set-up creates: names and plugin."""
+    """What set-up creates: names and plugin; for a shard, the slot and publication are the
+    shard's own (:meth:`sharded`), the publication filtered on ``aggregate_column``."""
 
     slot: str
     publication: str
     table: str
     plugin: str = "pgoutput"
+    shard: Shard | None = None
+    aggregate_column: str = "aggregate_id"
+    comment: str | None = None  # put on the publication it creates (reshard's cut)
+
+    def sharded(self, shard: Shard) -> SlotSpec:
+        """The spec of ``shard``: its slot and publication, named after these."""
+        return replace(
+            self, slot=shard.name(self.slot), publication=shard.name(self.publication), shard=shard
+        )
 
 
 @dataclass(frozen=True)
@@ -68,10 +83,38 @@ def table_by_oid(conn: psycopg.Connection[dict[str, Any]], oid: int) -> OutboxTa
 
 
 def coverage_problem(
+    conn: psycopg.Connection[dict[str, Any]],
+    publication: str,
+    table: OutboxTable,
+    shard: Shard | None = None,
+    aggregate_column: str = "aggregate_id",
+) -> str | None:
+    """Why ``publication`` does not publish the inserts of ``table`` (for a shard: exactly
+    the shard's rows), with the remedy; None when it does."""
+    problem = _coverage_problem(conn, publication, table)
+    if problem or shard is None:
+        return problem
+    found = _one(conn, "row_filter", publication=publication, oid=table.oid).get("filter")
+    expected = shard.row_filter(aggregate_column).as_string(conn)
+    if _bare(found or "") != _bare(expected):
+        return (
+            f"publication {publication} does not publish the rows of shard {shard} of "
+            f"{table.qualified} (its row filter is {found or 'none'}, not {expected}), so "
+            "events would be lost or published twice; drop it and run cdc-relay setup-slot "
+            f"--shards {shard.count} again"
+        )
+    return None
+
+
+def _bare(expression: str) -> str:
+    """A row filter without what printing it adds or drops: quotes, parentheses, spaces,
+    casts to text."""
+    return re.sub(r'[()"\s]|::text', "", expression)
+
+
+def _coverage_problem(
     conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
 ) -> str | None:
-    """Why ``publication`` does not publish the inserts of ``table``, with the remedy; None
-    when it does."""
     row = _one(conn, "coverage", publication=publication, oid=table.oid)
     if not row:
         return f"publication {publication} does not exist; run cdc-relay setup-slot"
@@ -138,6 +181,16 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
         raise PreflightError(
             f"PostgreSQL {server['version']} is too old; cdc-relay needs 14 or newer"
         )
+    if spec.shard is not None and server["version_num"] < MIN_SHARDS_VERSION_NUM:
+        raise PreflightError(
+            f"PostgreSQL {server['version']} has no publication row filters, which shards "
+            "need; upgrade to PostgreSQL 15 or newer, or stream without --shards"
+        )
+    if spec.shard is not None and spec.plugin != "pgoutput":
+        raise PreflightError(
+            "shards need the pgoutput plugin (wal2json does not read publications and their "
+            "row filters); pass --plugin pgoutput"
+        )
     if server["wal_level"] != "logical":
         raise PreflightError(
             f"wal_level is '{server['wal_level']}'; set wal_level = logical in "
@@ -189,18 +242,27 @@ def setup(dsn: str, spec: SlotSpec, dry_run: bool = False, create_slot: bool = T
         publication = _one(conn, "publication", publication=spec.publication)
         if publication:
             found = find_table(conn, spec.table)
-            problem = coverage_problem(conn, spec.publication, found) if found else None
+            problem = (
+                coverage_problem(conn, spec.publication, found, spec.shard, spec.aggregate_column)
+                if found
+                else None
+            )
             if problem:
                 raise PreflightError(problem)
             report.existing.append(f"publication {spec.publication} on {table}")
         else:
-            statement = sql.SQL(QUERIES["create_publication"]).format(
+            statement = sql.SQL(
+                QUERIES["create_publication" if spec.shard is None else "create_shard_publication"]
+            ).format(
                 publication=sql.Identifier(spec.publication),
                 table=sql.SQL(table),  # quoted by the table query's format('%I.%I')
+                filter=spec.shard.row_filter(spec.aggregate_column) if spec.shard else sql.SQL(""),
             )
             report.statements.append(statement.as_string(conn) + ";")
             if not dry_run:
                 conn.execute(statement)
+                if spec.comment is not None:
+                    conn.execute(_comment(spec.publication, spec.comment))
                 report.done.append(f"created publication {spec.publication} on {table}")
 
         if not create_slot:
@@ -299,6 +361,66 @@ def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, 
         "unprocessed_rows": counts.get("unprocessed"),
         "dead_letters": counts.get("dead_letters"),
     }
+
+
+def reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> list[str]:
+    """Create the ``after`` new shards of ``spec``, then write the cut at which the ``before``
+    old ones stop and the new ones start (shards.py); return what was done, and what to do."""
+    old = [spec] if before == 1 else [spec.sharded(shard) for shard in every_shard(before)]
+    new = {shard: spec.sharded(shard) for shard in every_shard(after)}
+    lines = []
+    with connect(dsn) as conn:
+        for each in old:
+            slot = _one(conn, "slot", slot=each.slot)
+            if not slot:
+                raise PreflightError(
+                    f"slot {each.slot} does not exist, so the relays do not stream {before} "
+                    "shard(s) of it; check --from and --slot"
+                )
+            if slot["plugin"] != "pgoutput":
+                raise PreflightError(
+                    f"slot {each.slot} uses {slot['plugin']}; shards need pgoutput slots: "
+                    "move to one first (setup-slot --plugin pgoutput, then stream it)"
+                )
+        for each in new.values():
+            if _one(conn, "slot", slot=each.slot) or _one(
+                conn, "publication", publication=each.publication
+            ):
+                raise PreflightError(
+                    f"{each.slot} or its publication exists already, from an earlier reshard; "
+                    f"drop them (cdc-relay drop-slot --shards {after}) and run reshard again"
+                )
+    cut = StartAfterCut(str(uuid.uuid4()), None)
+    for shard, each in new.items():
+        report = setup(dsn, replace(each, comment=cut.comment(shard)))
+        lines += report.done
+    # The new slots exist: every transaction that commits from now on is in their streams.
+    message = Cut(cut.cut, tuple(each.slot for each in old))
+    with connect(dsn) as conn, conn.transaction():
+        row = conn.execute(
+            QUERIES["emit_cut"], {"prefix": CUT_PREFIX, "content": message.content()}
+        ).fetchone()
+        at = StartAfterCut(cut.cut, parse_lsn(str((row or {})["lsn"])))
+        for shard, each in new.items():
+            conn.execute(_comment(each.publication, at.comment(shard)))
+    return [
+        *lines,
+        f"wrote resharding cut {cut.cut} at {format_lsn(at.lsn or 0)}: the relays of "
+        f"{', '.join(each.slot for each in old)} stop at it once they have delivered "
+        "everything before it",
+        f"start one relay per new shard: cdc-relay stream --shard K/{after} (K from 0 to "
+        f"{after - 1}); they relay what comes after the cut",
+        "once every old relay has stopped (exit 0, 'reached resharding cut' in its log), drop "
+        "the old shards: cdc-relay drop-slot"
+        + (f" --shards {before}" if before > 1 else "")
+        + " --yes",
+    ]
+
+
+def _comment(publication: str, text: str) -> sql.Composed:
+    return sql.SQL("COMMENT ON PUBLICATION {} IS {}").format(
+        sql.Identifier(publication), sql.Literal(text)
+    )
 
 
 def drop(dsn: str, spec: SlotSpec) -> list[str]:

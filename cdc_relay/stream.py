@@ -11,7 +11,9 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import psycopg
 from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput, wal2json
@@ -37,6 +39,7 @@ from cdc_relay.events import (
     envelope_event,
 )
 from cdc_relay.lsn import Lsn, format_lsn
+from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
     CONNECTED,
@@ -52,6 +55,7 @@ from cdc_relay.queries import QUERIES
 from cdc_relay.refusals import Fate, fate, header, is_culprit, log_refusal, refusal_error
 from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.routing import Message, Router
+from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
 from cdc_relay.sink import KafkaSink
 from cdc_relay.slot import (
     PLUGINS,
@@ -94,6 +98,7 @@ class StreamSettings:
     standby: bool = False  # wait while another relay holds the slot, then take over
     # Skip rows of other tables in the publication (logged) instead of stopping at the first.
     ignore_other_tables: bool = False
+    shard: Shard | None = None  # slot and publication are then the shard's (shards.py)
 
 
 @dataclass
@@ -167,6 +172,10 @@ class StreamRelay:
         self._pause_next = False  # a suspect sent alone met an error not about it: pause first
         self._acks = 0  # acknowledgements not yet added to the published counter
         self._events_seen = 0  # events sent at the last tick, for SINCE_LAST_EVENT
+        # A new shard after a resharding cut: what comes before the cut is the old shards',
+        # skipped and never confirmed (shards.py); None for any other relay.
+        self._after_cut: StartAfterCut | None = None
+        self._waiting = False  # still before the cut
 
     def _acked(self, token: Token) -> None:
         transaction = token[0]
@@ -224,7 +233,14 @@ class StreamRelay:
         if self._conn is None:
             return  # stopped while waiting as a standby
         publication = self.settings.publication if self._plugin == "pgoutput" else None
-        watcher = Watcher(self.settings.dsn, self.settings.slot, self._table, publication)
+        watcher = Watcher(
+            self.settings.dsn,
+            self.settings.slot,
+            self._table,
+            publication,
+            shard=self.settings.shard,
+            aggregate_column=self.settings.layout.aggregate_id,
+        )
         self._watcher = watcher.start()
         log.info(
             "streaming slot %s from %s",
@@ -308,7 +324,7 @@ class StreamRelay:
             if mapper is None:
                 self._other_table(record.relid)
                 return
-            if self._transaction is None:
+            if self._transaction is None or self._waiting:
                 return
             event = mapper.event(record, self._begin)
             self._send(self.router.route(event), self._transaction, event.id)
@@ -364,20 +380,60 @@ class StreamRelay:
         )
 
     def _message(self, record: LogicalMessage) -> None:
-        """A logical decoding message with our prefix is an event, routed like a row."""
+        """A logical decoding message with our prefix is an event, routed like a row; a shard
+        keeps its own (publications do not filter messages). A cut message ends an old
+        shard's stream and starts a new one's."""
         if record.prefix != self.settings.message_prefix:
+            if record.prefix == CUT_PREFIX:
+                self._cut(record)
             return  # another application's message
+        shard = self.settings.shard
         if record.transactional:
             if self._transaction is None or self._begin is None:
                 raise RelayError("transactional message outside a transaction; please report it")
             event = envelope_event(record, self._begin)
+            if self._waiting or (shard is not None and not shard.owns(event.aggregate_id)):
+                return
             self._send(self.router.route(event), self._transaction, event.id)
         else:
             # Sent at once, even if its transaction rolls back: its own unit in the tracker.
             event = envelope_event(record, None)
+            if self._waiting or (shard is not None and not shard.owns(event.aggregate_id)):
+                return
             transaction = self.tracker.begin(time.time_ns() // 1000)
             self._send(self.router.route(event), transaction, event.id)
             self.tracker.commit(transaction, record.lsn)
+
+    def _cut(self, record: LogicalMessage) -> None:
+        """A resharding cut: a new shard waiting for it starts after it; an old shard stops
+        at it, having delivered and confirmed everything before it."""
+        cut = Cut.from_content(record.content)
+        if cut is None:
+            return
+        slot = self.settings.slot
+        if self._waiting and self._after_cut is not None and cut.cut == self._after_cut.cut:
+            self._waiting = False
+            log.info(
+                "passed resharding cut %s at %s: relaying from here, the old shards "
+                "delivered what came before",
+                cut.cut,
+                format_lsn(record.lsn),
+                extra={"action": "cut_passed", "slot": slot, "lsn": format_lsn(record.lsn)},
+            )
+        elif not self._waiting and slot in cut.slots:
+            log.info(
+                "reached resharding cut %s at %s: every event of slot %s before it goes to "
+                "Kafka and is confirmed, the new shards relay the rest; stopping (drop this "
+                "slot once every old shard has stopped: cdc-relay drop-slot)",
+                cut.cut,
+                format_lsn(record.lsn),
+                slot,
+                extra={"action": "cut_reached", "slot": slot, "lsn": format_lsn(record.lsn)},
+            )
+            if self._watcher is not None:
+                self._watcher.check_now()  # the last confirmation goes up to the cut
+            self._stop = True
+            raise _Stopping
 
     def _send(self, message: Message, transaction: Transaction, event_id: str) -> None:
         token = (transaction, event_id)
@@ -483,7 +539,9 @@ class StreamRelay:
             self._last_event = now
         since = now - self._last_status
         safe = self.tracker.safe_lsn
-        if self._watcher is not None and not self._watcher.shutting_down:
+        if self._waiting:
+            safe = 0  # nothing before the cut is this shard's to confirm
+        elif self._watcher is not None and not self._watcher.shutting_down:
             # Not past a position the table's publication was last seen to cover (watch.py).
             safe = min(safe, self._watcher.verified)
         if (
@@ -533,10 +591,24 @@ class StreamRelay:
             table = find_table(conn, settings.table)
             if table is None:
                 raise PreflightError(f"table {settings.table} does not exist; check --table")
+            if settings.shard is not None and slot["plugin"] != "pgoutput":
+                raise PreflightError(
+                    f"slot {settings.slot} uses {slot['plugin']}; a shard needs a pgoutput slot "
+                    "(its publication's row filter sorts the rows out): cdc-relay setup-slot "
+                    "--shards"
+                )
             if slot["plugin"] == "pgoutput":
-                problem = coverage_problem(conn, settings.publication, table)
+                problem = coverage_problem(
+                    conn,
+                    settings.publication,
+                    table,
+                    settings.shard,
+                    settings.layout.aggregate_id,
+                )
                 if problem:
                     raise PreflightError(problem)
+            if settings.shard is not None:
+                self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             elif table.partitioned:
                 raise PreflightError(
                     f"{table.qualified} is partitioned, and wal2json names each row by its "
@@ -547,6 +619,27 @@ class StreamRelay:
             row = conn.execute(QUERIES["bytea_types"]).fetchone()
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return table, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
+
+    def _start_after_cut(
+        self, conn: psycopg.Connection[dict[str, Any]], shard: Shard, confirmed: str
+    ) -> None:
+        """A new shard whose slot has not passed its resharding cut waits for it."""
+        row = conn.execute(
+            QUERIES["publication_comment"], {"publication": self.settings.publication}
+        ).fetchone()
+        after = StartAfterCut.from_comment((row or {}).get("comment"), shard)
+        if after is None:
+            return
+        self._after_cut = after
+        self._waiting = after.lsn is None or parse_lsn(confirmed) < after.lsn
+        if self._waiting:
+            log.info(
+                "shard %s starts after resharding cut %s: skipping what comes before it, which "
+                "the old shards deliver",
+                shard,
+                after.cut,
+                extra={"action": "cut_waiting", "slot": self.settings.slot},
+            )
 
     def _open(self) -> ReplicationConnection:
         """Connect and start streaming; decoder state starts afresh with each connection."""

@@ -20,6 +20,7 @@ from psycopg.rows import dict_row
 from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import WAL_RETAINED
 from cdc_relay.queries import QUERIES
+from cdc_relay.shards import Shard
 from cdc_relay.slot import OutboxTable, coverage_problem, table_by_oid
 
 log = logging.getLogger(__name__)
@@ -37,12 +38,16 @@ class Watcher:
         publication: str | None,
         interval: float = 1.0,
         wal_interval: float = 10.0,
+        shard: Shard | None = None,
+        aggregate_column: str = "aggregate_id",
     ) -> None:
         self._dsn = dsn
         self._slot = slot
         self.table = table
         # None: the plugin selects rows by table name (wal2json), so the name must not change.
         self._publication = publication
+        self._shard = shard  # whose row filter the publication must keep
+        self._aggregate_column = aggregate_column
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0
@@ -65,6 +70,17 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def check_now(self) -> None:
+        """Stop the thread and check once more in the caller's, so that ``verified`` reaches
+        the WAL's position now (before a relay's last confirmation)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._check_safely(0)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     def _run(self) -> None:
         rounds = 1
@@ -129,7 +145,9 @@ class Watcher:
                 )
                 self.table = now
         if self.problem is None and self._publication is not None:
-            self.problem = coverage_problem(conn, self._publication, self.table)
+            self.problem = coverage_problem(
+                conn, self._publication, self.table, self._shard, self._aggregate_column
+            )
             if self.problem is not None:
                 self.problem += (
                     "; rows written since were not decoded: republish them after the fix, "

@@ -73,6 +73,29 @@ SELECT p.pubinsert AS inserts,
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
+-- row_filter --
+-- The row filter (WHERE) under which the publication publishes the table, as PostgreSQL prints
+-- it; NULL when it has none (PostgreSQL 15 and later)
+SELECT pg_get_expr(g.qual, g.relid) AS filter
+FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
+WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
+
+-- create_shard_publication --
+-- A shard's publication: create_publication's, with the shard's row filter
+CREATE PUBLICATION {publication} FOR TABLE {table} WHERE ({filter})
+    WITH (publish = 'insert', publish_via_partition_root = true)
+
+-- emit_cut --
+-- A resharding cut: a transactional logical decoding message every slot decodes at the same
+-- place among the transactions (cdc_relay/shards.py); returns its position
+SELECT pg_logical_emit_message(true, %(prefix)s, %(content)s)::text AS lsn
+
+-- publication_comment --
+-- The comment on a publication (reshard notes there where a new shard starts)
+SELECT obj_description(p.oid, 'pg_publication') AS comment
+FROM pg_publication p
+WHERE p.pubname = %(publication)s
+
 -- bytea_types --
 -- bytea and every domain over it, however deep: their values are sent as bytea's text
 WITH RECURSIVE b(oid) AS (

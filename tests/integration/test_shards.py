@@ -1,0 +1,274 @@
+"""Sharded streaming: one outbox over N relays, each with its own slot, and resharding at one
+cut, against a real PostgreSQL and a real Kafka broker (ARCHITECTURE.md, "Shards")."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from relaytools import (
+    Load,
+    RelayProcess,
+    Written,
+    check,
+    consume,
+    relay_env,
+    wait_until,
+)
+
+from cdc_relay.shards import Shard, hashtext
+
+pytestmark = pytest.mark.integration
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cdc_relay", *args], capture_output=True, text=True, timeout=180
+    )
+
+
+def shard_relay(tmp_path: Path, dsn: str, kafka: Any, names: Any, shard: str, **extra: str) -> Any:
+    env = relay_env(dsn, kafka.bootstrap, names, shard=shard, **extra)
+    return RelayProcess(tmp_path, env, name="shard-" + shard.replace("/", "of"))
+
+
+def emit(dsn: str, events: list[tuple[str, str]]) -> list[Written]:
+    """Events written as logical decoding messages (outbox_emit), which publications do not
+    filter: each shard must keep its own."""
+    written = []
+    with psycopg.connect(dsn) as conn:
+        for aggregate_type, aggregate_id in events:
+            event_id = str(uuid.uuid4())
+            payload = {"emitted": aggregate_id}
+            with conn.transaction():
+                conn.execute(
+                    "SELECT outbox_emit(%s, %s, %s, %s::jsonb, %s::uuid)",
+                    (
+                        aggregate_type,
+                        aggregate_id,
+                        f"{aggregate_type}.changed",
+                        psycopg.types.json.Jsonb(payload),
+                        event_id,
+                    ),
+                )
+            ((text, lsn),) = conn.execute(
+                "SELECT %s::jsonb::text, pg_current_wal_lsn()::text",
+                (psycopg.types.json.Jsonb(payload),),
+            ).fetchall()
+            conn.commit()
+            written.append(
+                Written(
+                    id=event_id,
+                    aggregate_type=aggregate_type,
+                    aggregate_id=aggregate_id,
+                    event_type=f"{aggregate_type}.changed",
+                    payload=text.encode(),
+                    after_commit_lsn=lsn,
+                    committed_at=time.monotonic(),
+                )
+            )
+    return written
+
+
+def test_python_and_postgresql_hash_100000_keys_alike(outbox_db: str) -> None:
+    """The shard of a logical decoding message is computed in Python, that of a row by the
+    publication's row filter: both must agree on every key, non-ASCII ones included."""
+    rnd = random.Random(20261130)
+    alphabets = [(0x20, 0x7E), (0xA0, 0x2FF), (0x370, 0x3FF), (0x4E00, 0x9FFF), (0x1F300, 0x1F64F)]
+    keys = ["", "0", "order-1", str(uuid.UUID(int=rnd.getrandbits(128)))]
+    while len(keys) < 100_000:
+        low, high = rnd.choice(alphabets)
+        keys.append("".join(chr(rnd.randint(low, high)) for _ in range(rnd.randint(1, 40))))
+    with psycopg.connect(outbox_db) as conn:
+        theirs = [
+            row[0]
+            for row in conn.execute(
+                "SELECT hashtext(k) FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n",
+                (keys,),
+            )
+        ]
+    ours = [hashtext(key.encode()) for key in keys]
+    differ = [(k, t, o) for k, t, o in zip(keys, theirs, ours, strict=True) if t != o]
+    assert differ == []
+    # and the shards: the row filter's expression, evaluated by PostgreSQL, against owns()
+    sample: list[str | None] = [*keys[:10_000], None]
+    with psycopg.connect(outbox_db) as conn:
+        sql_shards = [
+            row[0]
+            for row in conn.execute(
+                "SELECT (hashtext(coalesce(k, '')) & 2147483647) %% 7 "
+                "FROM unnest(%s::text[]) WITH ORDINALITY AS u(k, n) ORDER BY n",
+                (sample,),
+            )
+        ]
+    for key, shard in zip(sample, sql_shards, strict=True):
+        assert Shard(shard, 7).owns(key)
+
+
+def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    setup = cli(
+        "setup-slot",
+        "--dsn",
+        outbox_db,
+        "--slot",
+        names.slot,
+        "--publication",
+        names.publication,
+        "--shards",
+        "2",
+    )
+    assert setup.returncode == 0, setup.stderr
+    assert f"created slot {names.slot}_0of2" in setup.stdout
+    assert f"created publication {names.publication}_1of2" in setup.stdout
+    again = cli(
+        "setup-slot",
+        "--dsn",
+        outbox_db,
+        "--slot",
+        names.slot,
+        "--publication",
+        names.publication,
+        "--shards",
+        "2",
+    )
+    assert again.returncode == 0, again.stderr
+    assert f"exists: slot {names.slot}_1of2" in again.stdout
+
+    prefixes = [f"{names.topic_prefix}_s{k}" for k in range(2)]
+    relays = [
+        shard_relay(
+            tmp_path,
+            outbox_db,
+            kafka_service,
+            names,
+            f"{k}/2",
+            topic_template=f"{prefixes[k]}.{{aggregate_type}}",
+        ).start()
+        for k in range(2)
+    ]
+    try:
+        load = Load(outbox_db, writers=3, pause=0.001, aggregates=40).start()
+        emitted = emit(outbox_db, [("invoice", f"m{i}") for i in range(60)])
+        time.sleep(2)
+        written = load.stop() + emitted
+        # Each shard's topics hold exactly the events of its aggregates, in order, once.
+        for k, prefix in enumerate(prefixes):
+            mine = [w for w in written if Shard(k, 2).owns(w.aggregate_id)]
+            received = consume(kafka_service.bootstrap, prefix, expected=len(mine))
+            verdict = check(mine, received, prefix)
+            print(f"shard {k}/2:", verdict)
+            assert 0 < len(mine) < len(written)
+            assert {w.id for w in emitted} & {w.id for w in mine}  # messages too
+            assert verdict.lost == []
+            assert verdict.duplicates == 0
+            assert verdict.out_of_order == []
+            assert verdict.mismatched == []  # an event of the other shard would be here
+        assert [relay.stop() for relay in relays] == [0, 0]
+    finally:
+        for relay in relays:
+            relay.close()
+
+    status = cli(
+        "status",
+        "--dsn",
+        outbox_db,
+        "--slot",
+        names.slot,
+        "--publication",
+        names.publication,
+        "--shards",
+        "2",
+    )
+    assert status.returncode == 0, status.stderr
+    assert f"{names.slot}_0of2" in status.stdout and f"{names.slot}_1of2" in status.stdout
+
+
+def test_a_shard_refuses_a_publication_that_filters_other_rows(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    assert (
+        cli(
+            "setup-slot",
+            "--dsn",
+            outbox_db,
+            "--slot",
+            names.slot,
+            "--publication",
+            names.publication,
+            "--shards",
+            "2",
+        ).returncode
+        == 0
+    )
+    # Someone points shard 1's publication at shard 0's rows: its relay must not start.
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(
+            f"ALTER PUBLICATION {names.publication}_1of2 SET TABLE outbox_events "
+            "WHERE (((hashtext(COALESCE(aggregate_id, ''::text)) & 2147483647) % 2) = 0)"
+        )
+    relay = shard_relay(tmp_path, outbox_db, kafka_service, names, "1/2").start()
+    try:
+        assert relay.wait(60) == 1
+    finally:
+        relay.close()
+    (line,) = [x for x in relay.log().splitlines() if "cdc-relay: error" in x]
+    assert f"publication {names.publication}_1of2 does not publish the rows of shard 1/2" in line
+
+
+def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_nothing(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    assert cli("setup-slot", *base, "--shards", "2").returncode == 0
+    old = [
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2").start() for k in range(2)
+    ]
+    new = [shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3") for k in range(3)]
+    try:
+        load = Load(outbox_db, writers=3, pause=0.001, aggregates=40).start()
+        emitted = emit(outbox_db, [("invoice", f"before{i}") for i in range(30)])
+        time.sleep(2)
+        resharded = cli("reshard", *base, "--from", "2", "--to", "3")
+        assert resharded.returncode == 0, resharded.stderr
+        print(resharded.stdout)
+        assert "wrote resharding cut" in resharded.stdout
+        new[0].start()  # one new relay at once, the others a little later
+        emitted += emit(outbox_db, [("invoice", f"after{i}") for i in range(30)])
+        time.sleep(1)
+        new[1].start()
+        new[2].start()
+        # The old relays stop by themselves at the cut, having delivered what came before.
+        assert [relay.wait(60) for relay in old] == [0, 0]
+        for relay in old:
+            assert "reached resharding cut" in relay.log()
+        # One restarted stops there again, publishing nothing twice.
+        old[0].start()
+        assert old[0].wait(60) == 0
+        time.sleep(2)
+        written = load.stop() + emitted
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert [relay.stop() for relay in new] == [0, 0, 0]
+    finally:
+        load.stop()
+        for relay in old + new:
+            relay.close()
+    verdict = check(written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert any("passed resharding cut" in relay.log() for relay in new)
+    dropped = cli("drop-slot", *base, "--shards", "2", "--yes")
+    assert dropped.returncode == 0, dropped.stderr
+    assert f"{names.slot}_1of2" in dropped.stdout
+    wait_until(lambda: cli("status", *base, "--shards", "3").returncode == 0, 30, "the new shards")
