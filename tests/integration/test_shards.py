@@ -272,3 +272,30 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
     assert dropped.returncode == 0, dropped.stderr
     assert f"{names.slot}_1of2" in dropped.stdout
     wait_until(lambda: cli("status", *base, "--shards", "3").returncode == 0, 30, "the new shards")
+
+
+def test_shard_mistakes_are_one_line_errors(outbox_db: str, names: Any) -> None:
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+
+    def error(*args: str) -> str:
+        done = cli(*args)
+        assert done.returncode in (1, 2), done
+        (line,) = done.stderr.strip().splitlines()[-1:]
+        return line
+
+    assert "shards need the pgoutput plugin" in error(
+        "setup-slot", *base, "--shards", "2", "--plugin", "wal2json"
+    )
+    assert "K/N" in error("stream", *base, "--kafka-bootstrap", "127.0.0.1:9", "--shard", "2/2")
+    assert "nothing to reshard" in error("reshard", *base, "--from", "2", "--to", "2")
+    assert f"slot {names.slot}_0of3 does not exist" in error(
+        "reshard", *base, "--from", "3", "--to", "2"
+    )
+    assert cli("setup-slot", *base, "--shards", "2").returncode == 0
+    assert cli("reshard", *base, "--from", "2", "--to", "4").returncode == 0
+    # a second reshard to the same count finds the shards of the first
+    assert "exists already, from an earlier reshard" in error(
+        "reshard", *base, "--from", "2", "--to", "4"
+    )
+    assert cli("drop-slot", *base, "--shards", "2", "--yes").returncode == 0
+    assert cli("drop-slot", *base, "--shards", "4", "--yes").returncode == 0
