@@ -64,6 +64,12 @@ SINCE_LAST_EVENT = Gauge(
     "cdc_relay_seconds_since_last_event",
     "Seconds since the relay last read an event.",
 )
+SHARD = Gauge(
+    "cdc_relay_shard",
+    "1, labelled with the shard this relay streams (stream --shard K/N): join it with the "
+    "relay's other metrics on the instance to see them per shard.",
+    ["shard", "shards"],
+)
 CONNECTED = Gauge(
     "cdc_relay_connected",
     "1 while connected to the service.",

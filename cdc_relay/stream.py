@@ -48,6 +48,7 @@ from cdc_relay.metrics import (
     EVENTS_PUBLISHED,
     IN_FLIGHT,
     LATENCY,
+    SHARD,
     SINCE_LAST_EVENT,
     Health,
 )
@@ -242,11 +243,20 @@ class StreamRelay:
             aggregate_column=self.settings.layout.aggregate_id,
         )
         self._watcher = watcher.start()
+        shard = self.settings.shard
+        if shard is not None:
+            SHARD.labels(shard=str(shard.index), shards=str(shard.count)).set(1)
         log.info(
-            "streaming slot %s from %s",
+            "streaming slot %s%s from %s",
             self.settings.slot,
+            "" if shard is None else f" (shard {shard})",
             confirmed,
-            extra={"action": "start", "slot": self.settings.slot, "lsn": confirmed},
+            extra={
+                "action": "start",
+                "slot": self.settings.slot,
+                "lsn": confirmed,
+                **({} if shard is None else {"shard": str(shard)}),
+            },
         )
         try:
             while not self._stop:

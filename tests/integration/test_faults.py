@@ -30,12 +30,20 @@ from faulttools import (
     KILLS,
     OUTAGE,
     FaultRun,
+    Instant,
     Mode,
     ProxiedKafka,
+    Result,
     ResultsTable,
     TcpProxy,
+    create_topics,
 )
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from relaytools import Load, RelayProcess, check, consume, relay_env, slot_row, wait_until
+
+from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.shards import Shard, every_shard
+from cdc_relay.slot import SlotSpec, setup
 
 pytestmark = [
     pytest.mark.integration,
@@ -105,6 +113,108 @@ def test_sigkill_at_random_moments(make_run: MakeRun, kind: str) -> None:
         time.sleep(rng.uniform(0.5, 4.0))  # now and then before it has even started
         run.restart()
     run.assert_sound(run.finish(), restarts=KILLS + 1)
+
+
+def test_sigkill_at_random_moments_on_two_shards(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, fault_results: ResultsTable
+) -> None:
+    """One outbox over two shard relays (stream --shard K/2), killed at random moments, each
+    of them several times: together they lose nothing and keep every aggregate's order; each
+    kill repeats at most what its shard had in flight."""
+    spec = SlotSpec(slot=names.slot, publication=names.publication, table="outbox_events")
+    shards = every_shard(2)
+    for shard in shards:
+        setup(outbox_db, spec.sharded(shard))
+    prefix = f"{names.topic_prefix}_shards"
+    create_topics(kafka_service.bootstrap, prefix)
+    env = relay_env(
+        outbox_db, kafka_service.bootstrap, names, topic_template=prefix + ".{aggregate_type}"
+    )
+    relays = [
+        RelayProcess(tmp_path, {**env, "CDC_RELAY_SHARD": str(s)}, name=f"shard{s.index}")
+        for s in shards
+    ]
+
+    def confirmed(shard: Shard) -> int:
+        return parse_lsn(str(slot_row(outbox_db, spec.sharded(shard).slot)["confirmed"]))
+
+    def delivering() -> None:
+        for shard in shards:
+            start = confirmed(shard)
+            wait_until(lambda s=shard, at=start: confirmed(s) > at, 60, f"shard {shard}", 0.1)
+
+    load = Load(outbox_db, writers=2, pause=0.01, reconnect=True).start()
+    kills: list[tuple[Shard, Instant, int, Instant]] = []  # killed, confirmed, restarted
+    try:
+        for relay in relays:
+            relay.start()
+        delivering()
+        rng = _seeded()
+        victims = [shards[n % 2] for n in range(KILLS)]  # both, the order drawn at random
+        rng.shuffle(victims)
+        for shard in victims:
+            time.sleep(rng.uniform(0.5, 4.0))
+            relay = relays[shard.index]
+            relay.kill()
+            killed = Instant()
+            wait_until(
+                lambda s=shard: not slot_row(outbox_db, spec.sharded(s).slot)["active"],
+                30,
+                "the slot to be free",
+                0.05,
+            )
+            at = confirmed(shard)
+            relay.start()
+            kills.append((shard, killed, at, Instant()))
+        delivering()
+        written = load.stop()
+        received = consume(kafka_service.bootstrap, prefix, len(written), settle=1.0)
+        alive = [relay.alive() for relay in relays]
+    finally:
+        load.stop()
+        for relay in relays:
+            relay.close()
+    verdict = check(written, received, prefix)
+    # What each kill may repeat: its shard's events committed before it and past the position
+    # the shard's slot had confirmed (PostgreSQL replays them to the restarted relay).
+    bound = sum(
+        1
+        for shard, killed, at, _ in kills
+        for w in written
+        if shard.owns(w.aggregate_id) and w.committed_at < killed.mono and w.after_commit_lsn > at
+    )
+    # From each restart to the first message of the restarted shard appended after it.
+    stamps = sorted((r.timestamp, r.key) for r in received if r.timestamp is not None)
+    recoveries: list[float | None] = [
+        next(
+            (
+                t - restarted.wall
+                for t, key in stamps
+                if t > restarted.wall and shard.owns((key or b"").decode())
+            ),
+            None,
+        )
+        for shard, _, _, restarted in kills
+    ]
+    result = Result(
+        scenario=f"SIGKILL x{KILLS} at random moments, on 2 shards",
+        relay="stream --shard K/2",
+        written=verdict.written,
+        lost=len(verdict.lost),
+        duplicated=verdict.duplicates,
+        bound=bound,
+        out_of_order=len(verdict.out_of_order),
+        mismatched=len(verdict.mismatched),
+        recoveries=recoveries,
+    )
+    fault_results.add(result)
+    print(verdict, f"bound={bound}", result.recovery_text())
+    assert verdict.lost == []
+    assert verdict.mismatched == []
+    assert verdict.out_of_order == []
+    assert verdict.duplicates <= bound
+    assert alive == [True, True]
+    assert {shard.index for shard, _, _, _ in kills} == {0, 1}
 
 
 @pytest.mark.parametrize("kind", RELAYS)

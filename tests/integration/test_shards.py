@@ -23,6 +23,7 @@ from relaytools import (
     wait_until,
 )
 
+from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.shards import Shard, hashtext
 
 pytestmark = pytest.mark.integration
@@ -70,7 +71,7 @@ def emit(dsn: str, events: list[tuple[str, str]]) -> list[Written]:
                     aggregate_id=aggregate_id,
                     event_type=f"{aggregate_type}.changed",
                     payload=text.encode(),
-                    after_commit_lsn=lsn,
+                    after_commit_lsn=parse_lsn(lsn),
                     committed_at=time.monotonic(),
                 )
             )
