@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from cdc_relay.cli import main
+from cdc_relay.startup import main
 
 main()

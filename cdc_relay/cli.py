@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import signal
 import sys
@@ -15,7 +16,7 @@ from typing import Any, TypeVar
 import click
 import setproctitle
 
-from cdc_relay import __version__, logs
+from cdc_relay import __version__, logs, startup
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -44,6 +45,7 @@ from cdc_relay.slot import SlotSpec, drop, reshard, setup, status
 from cdc_relay.stream import StreamRelay, StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 def _option(name: str, *more: str, **kwargs: Any) -> Callable[[F], F]:
@@ -271,11 +273,32 @@ def run_options(func: F) -> F:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cdc-relay")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Relay transactional-outbox events from PostgreSQL to Kafka.
 
     Every option can also be set by its CDC_RELAY_* environment variable.
     """
+    if ctx.invoked_subcommand not in _RELAYS:
+        startup.restore_stops()  # the other commands stop as any program does
+
+
+_RELAYS = ("stream", "poll")
+"""The commands that defer a stop asked for during start-up until they can act on it."""
+
+
+def run_relay(relay: StreamRelay | PollRelay) -> None:
+    """Run ``relay`` until SIGTERM or Ctrl-C; one that came during start-up stops it before
+    it starts."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: relay.request_stop())
+    if startup.stop_requested():
+        log.info(
+            "stopped during start-up; nothing was relayed or confirmed",
+            extra={"action": "stop"},
+        )
+        return
+    relay.run()
 
 
 @cli.command("setup-slot")
@@ -639,10 +662,7 @@ def stream(
         ignore_other_tables=ignore_other_tables,
         shard=shard,
     )
-    relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: relay.request_stop())
-    relay.run()
+    run_relay(StreamRelay(settings, start_metrics(metrics_host, metrics_port)))
 
 
 @cli.command("poll")
@@ -744,10 +764,7 @@ def poll(
         kafka_timeout=kafka_timeout,
         progress_interval=progress_interval,
     )
-    relay = PollRelay(settings, start_metrics(metrics_host, metrics_port))
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: relay.request_stop())
-    relay.run()
+    run_relay(PollRelay(settings, start_metrics(metrics_host, metrics_port)))
 
 
 @cli.group("dead-letters")

@@ -3,6 +3,7 @@ shows to every user of the host, no longer holds it once the relay has started."
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -62,3 +63,32 @@ def test_a_password_in_dsn_is_gone_from_proc_cmdline(tmp_path: Path) -> None:
     assert "password=***" in ps or not ps  # ps may be missing on a slim machine
     assert stderr.startswith("cdc-relay: warning: a password in --dsn"), stderr
     assert WORD not in stderr
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has a handler for SIGTERM (its SigCgt mask, bit 15)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    (mask,) = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(mask, 16) & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.mark.parametrize("command", ["stream", "poll"])
+def test_a_sigterm_during_start_up_stops_the_relay_cleanly(tmp_path: Path, command: str) -> None:
+    """SIGTERM while the relay still imports its libraries: exit 0, nothing relayed."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc")
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "cdc_relay", command, "--dsn", "host=127.0.0.1 port=1",
+         "--kafka-bootstrap", "127.0.0.1:9"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        while not _catches_sigterm(relay.pid):
+            assert relay.poll() is None, relay.stderr.read() if relay.stderr else ""
+        relay.send_signal(signal.SIGTERM)
+        _, stderr = relay.communicate(timeout=60)
+    finally:
+        relay.kill()
+    assert relay.returncode == 0, stderr
+    assert "stopped during start-up; nothing was relayed or confirmed" in stderr
