@@ -12,8 +12,10 @@ Resharding from N to M shards cuts every stream at one point: the new slots are 
 then one transaction emits a cut message (:data:`CUT_PREFIX`) that every slot, old and new,
 decodes at the same place among the transactions, since all decode the same WAL in commit
 order. An old shard delivers what comes before the cut and stops at it; a new shard skips
-what comes before it (the old shards deliver that) and confirms nothing until it has passed
-it. So no event is lost and none is published twice (ARCHITECTURE.md, "Resharding").
+what comes before it (the old shards deliver that), confirms nothing until it has passed it,
+and waits at it for the old shards to be done. So no event is lost, none is published twice,
+and none overtakes an earlier one of its aggregate (ARCHITECTURE.md, "Shards and
+resharding").
 """
 
 from __future__ import annotations

@@ -177,6 +177,8 @@ class StreamRelay:
         # skipped and never confirmed (shards.py); None for any other relay.
         self._after_cut: StartAfterCut | None = None
         self._waiting = False  # still before the cut
+        self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
+        self._cut_at: Lsn | None = None  # an old shard's cut, reached: confirmed on stopping
 
     def _acked(self, token: Token) -> None:
         transaction = token[0]
@@ -270,8 +272,8 @@ class StreamRelay:
         except _Stopping:
             pass
         finally:
-            watcher.stop()
             self._shutdown()
+            watcher.stop()
             if self.dead_letters is not None:
                 self.dead_letters.close()
 
@@ -345,6 +347,8 @@ class StreamRelay:
             if self._transaction is not None:
                 self.tracker.commit(self._transaction, record.end_lsn)
                 self.progress.transactions += 1
+                if self._transaction is self._cut_transaction:
+                    self._cut_transaction = None  # past the cut for good: confirm again
             self._begin = None
             self._transaction = None
         elif isinstance(record, Relation):
@@ -422,10 +426,14 @@ class StreamRelay:
             return
         slot = self.settings.slot
         if self._waiting and self._after_cut is not None and cut.cut == self._after_cut.cut:
+            # Nothing after the cut goes out before the old shards have delivered everything
+            # before it: an aggregate's events must not overtake its earlier ones.
+            self._wait_for_old_shards(cut, record.lsn)
             self._waiting = False
+            self._cut_transaction = self._transaction
             log.info(
-                "passed resharding cut %s at %s: relaying from here, the old shards "
-                "delivered what came before",
+                "passed resharding cut %s at %s: the old shards delivered what came before "
+                "it; relaying from here",
                 cut.cut,
                 format_lsn(record.lsn),
                 extra={"action": "cut_passed", "slot": slot, "lsn": format_lsn(record.lsn)},
@@ -440,10 +448,35 @@ class StreamRelay:
                 slot,
                 extra={"action": "cut_reached", "slot": slot, "lsn": format_lsn(record.lsn)},
             )
-            if self._watcher is not None:
-                self._watcher.check_now()  # the last confirmation goes up to the cut
+            self._cut_at = record.lsn
             self._stop = True
             raise _Stopping
+
+    def _wait_for_old_shards(self, cut: Cut, lsn: Lsn) -> None:
+        """Wait until every slot of ``cut`` is confirmed up to it (its relay stopped there,
+        having delivered everything before it) or is gone (dropped: the user's call)."""
+        logged = False
+        with connect(self.settings.dsn) as conn:
+            while True:
+                rows = conn.execute(QUERIES["slots_confirmed"], {"slots": list(cut.slots)})
+                behind = [
+                    row["slot_name"]
+                    for row in rows.fetchall()
+                    if row["confirmed"] is None or parse_lsn(row["confirmed"]) < lsn
+                ]
+                if not behind:
+                    return
+                if not logged:
+                    logged = True
+                    log.info(
+                        "at resharding cut %s: waiting for the relays of %s to deliver what "
+                        "came before it (start them if they are not running)",
+                        cut.cut,
+                        ", ".join(behind),
+                        extra={"action": "cut_waiting_for_old", "slot": self.settings.slot},
+                    )
+                for _ in range(10):
+                    self._wait_for_kafka()
 
     def _send(self, message: Message, transaction: Transaction, event_id: str) -> None:
         token = (transaction, event_id)
@@ -549,7 +582,11 @@ class StreamRelay:
             self._last_event = now
         since = now - self._last_status
         safe = self.tracker.safe_lsn
-        if self._waiting:
+        if self._cut_at is not None and not self.tracker.in_flight:
+            # An old shard at its cut, everything acknowledged: confirming the cut's position
+            # tells the new shards so (they wait for it before relaying past the cut).
+            safe = max(safe, self._cut_at)
+        if self._waiting or self._cut_transaction is not None:
             safe = 0  # nothing before the cut is this shard's to confirm
         elif self._watcher is not None and not self._watcher.shutting_down:
             # Not past a position the table's publication was last seen to cover (watch.py).
@@ -759,6 +796,9 @@ class StreamRelay:
         self._mappers.clear()
         self._begin = None
         self._transaction = None
+        if self._cut_transaction is not None:  # the replay starts before the cut again
+            self._cut_transaction = None
+            self._waiting = True
 
     def _pause(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -805,6 +845,8 @@ class StreamRelay:
                 self.sink.renew()
             if self._conn is not None:
                 self._drain(self.settings.shutdown_timeout, confirm=True)
+                if self._watcher is not None:
+                    self._watcher.check_now()  # the last confirmation covers all delivered
                 self._send_status(force=True)
         except ConnectionLost as exc:
             log.warning("could not confirm the final position: %s", exc)

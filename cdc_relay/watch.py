@@ -59,6 +59,10 @@ class Watcher:
         walsender to have every WAL position confirmed, and no transaction commits any more."""
         self._failing = False
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a check is wanted now
+        self._done = threading.Condition()
+        self._checks = 0  # checks begun
+        self._checked = 0  # checks done
         self._conn: psycopg.Connection[dict[str, Any]] | None = None
         self._thread = threading.Thread(target=self._run, name="watcher", daemon=True)
 
@@ -70,22 +74,32 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
 
-    def check_now(self) -> None:
-        """Stop the thread and check once more in the caller's, so that ``verified`` reaches
-        the WAL's position now (before a relay's last confirmation)."""
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-        self._check_safely(0)
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+    def check_now(self, timeout: float = 5.0) -> None:
+        """Have a check begin now and wait (bounded: the database may be unreachable) until
+        it is done, so that ``verified`` reaches the WAL's position now: a relay's last
+        confirmation then covers everything it delivered."""
+        with self._done:
+            wanted = self._checks + 1
+        self._wake.set()
+        with self._done:
+            self._done.wait_for(lambda: self._checked >= wanted, timeout)
 
     def _run(self) -> None:
         rounds = 1
-        while not self._stop.wait(self._interval):
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            with self._done:
+                self._checks += 1
+                begun = self._checks
             self._check_safely(rounds)
+            with self._done:
+                self._checked = begun
+                self._done.notify_all()
             rounds += 1
         if self._conn is not None:
             self._conn.close()

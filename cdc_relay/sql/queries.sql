@@ -90,6 +90,12 @@ CREATE PUBLICATION {publication} FOR TABLE {table} WHERE ({filter})
 -- place among the transactions (cdc_relay/shards.py); returns its position
 SELECT pg_logical_emit_message(true, %(prefix)s, %(content)s)::text AS lsn
 
+-- slots_confirmed --
+-- How far the named slots are confirmed (a new shard waits for the old ones at the cut)
+SELECT slot_name, confirmed_flush_lsn::text AS confirmed
+FROM pg_replication_slots
+WHERE slot_name = ANY(%(slots)s::text[])
+
 -- publication_comment --
 -- The comment on a publication (reshard notes there where a new shard starts)
 SELECT obj_description(p.oid, 'pg_publication') AS comment

@@ -4,6 +4,7 @@ cut, against a real PostgreSQL and a real Kafka broker (ARCHITECTURE.md, "Shards
 from __future__ import annotations
 
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -238,6 +239,13 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
         load = Load(outbox_db, writers=3, pause=0.001, aggregates=40).start()
         emitted = emit(outbox_db, [("invoice", f"before{i}") for i in range(30)])
         time.sleep(2)
+        wait_until(
+            lambda: all("streaming slot" in relay.log() for relay in old), 60, "the old relays"
+        )
+        # One old relay is frozen at the cut, with a backlog before it: no new relay may relay
+        # past the cut until it has delivered that backlog (its aggregates' order).
+        old[1].signal(signal.SIGSTOP)
+        time.sleep(1)
         resharded = cli("reshard", *base, "--from", "2", "--to", "3")
         assert resharded.returncode == 0, resharded.stderr
         print(resharded.stdout)
@@ -247,10 +255,23 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
         time.sleep(1)
         new[1].start()
         new[2].start()
-        # The old relays stop by themselves at the cut, having delivered what came before.
-        assert [relay.wait(60) for relay in old] == [0, 0]
+        assert old[0].wait(60) == 0  # stopped by itself at the cut
+        wait_until(
+            lambda: all("waiting for the relays of" in relay.log() for relay in new),
+            60,
+            "the new relays to wait for the old one",
+        )
+        assert all("passed resharding cut" not in relay.log() for relay in new)
+        time.sleep(1)
+        old[1].signal(signal.SIGCONT)
+        assert old[1].wait(60) == 0
         for relay in old:
             assert "reached resharding cut" in relay.log()
+        wait_until(
+            lambda: all("passed resharding cut" in relay.log() for relay in new),
+            60,
+            "the new relays to pass the cut",
+        )
         # One restarted stops there again, publishing nothing twice.
         old[0].start()
         assert old[0].wait(60) == 0
@@ -268,7 +289,6 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
     assert verdict.duplicates == 0
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
-    assert any("passed resharding cut" in relay.log() for relay in new)
     dropped = cli("drop-slot", *base, "--shards", "2", "--yes")
     assert dropped.returncode == 0, dropped.stderr
     assert f"{names.slot}_1of2" in dropped.stdout
