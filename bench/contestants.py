@@ -141,6 +141,32 @@ class Stream(Contestant):
         return command, _relay_env(trial)
 
 
+class StreamShards(Contestant):
+    """``count`` relays of ``cdc-relay stream --shard K/count`` (bench/shards.py), on the
+    slots and publications ``cdc-relay setup-slot --shards count`` made."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name = name
+        self.count = count
+
+    def unavailable(self) -> str | None:
+        code, text = _help("stream")
+        if code != 0 or "--shard" not in text:
+            return "`cdc-relay stream` has no --shard"
+        return None
+
+    def prepare(self, trial: Trial) -> None:
+        command = [sys.executable, "-m", "cdc_relay", "setup-slot", "--shards", str(self.count)]
+        result = subprocess.run(
+            command, env=_relay_env(trial), capture_output=True, text=True, check=False
+        )
+        if result.returncode != 0:
+            raise RuntimeError(f"cdc-relay setup-slot failed: {result.stdout}{result.stderr}")
+
+    def command(self, trial: Trial) -> tuple[list[str], dict[str, str]]:
+        return [sys.executable, "-m", "bench.shards", str(self.count)], _relay_env(trial)
+
+
 class Poll(Contestant):
     """``cdc-relay poll`` with ``workers`` workers."""
 
@@ -245,6 +271,7 @@ class RecvLogical(Contestant):
 CONTESTANTS: list[Contestant] = [
     Stream("stream"),
     Stream("stream-wal2json", plugin="wal2json"),
+    StreamShards("stream-shards-2", count=2),
     Poll("poll-1", workers=1),
     Poll("poll-4", workers=4),
     Debezium("debezium"),
