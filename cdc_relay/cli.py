@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 import setproctitle
 
-from cdc_relay import __version__, logs
+from cdc_relay import __version__, cloudevents, logs
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -56,6 +56,10 @@ def _dsn(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return check_template(value)
+
+
+def _cloudevents_source(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    return None if value is None else cloudevents.check_source(value)
 
 
 class Seconds(click.FloatRange):
@@ -215,6 +219,21 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
                     show_default=True,
                     help="Seconds to wait for a broker to answer at start-up.",
                 ),
+                _option(
+                    "--cloudevents",
+                    "cloudevents_enabled",
+                    is_flag=True,
+                    help="Add the CloudEvents headers of the Kafka binding's binary mode "
+                    "(ce_specversion, ce_id, ce_source, ce_type, ce_time from created_at, "
+                    "ce_subject from aggregate_id, content-type); key and value stay as they are.",
+                ),
+                _option(
+                    "--cloudevents-source",
+                    metavar="URI-REFERENCE",
+                    callback=_cloudevents_source,
+                    help="ce_source of every event, with --cloudevents; default "
+                    "/cdc-relay/<database>/<schema>.<table> of the outbox table.",
+                ),
             ]
         ):
             func = option(func)
@@ -282,6 +301,8 @@ def setup_slot(
     topic_template: str,
     tombstone_on_empty_payload: bool,
     kafka_timeout: float,
+    cloudevents_enabled: bool,
+    cloudevents_source: str | None,
 ) -> None:
     """Check the database and create the publication and the replication slot.
 
@@ -305,6 +326,7 @@ def setup_slot(
             topic_template=topic_template,
             tombstone_on_empty=tombstone_on_empty_payload,
             kafka_timeout=kafka_timeout,
+            cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
         )
         for line in handover(settings, spec).lines:
             click.echo(line)
@@ -492,6 +514,8 @@ def stream(
     status_interval: float,
     shutdown_timeout: float,
     kafka_timeout: float,
+    cloudevents_enabled: bool,
+    cloudevents_source: str | None,
     progress_interval: float,
     columns: tuple[str, ...],
     header_columns: tuple[str, ...],
@@ -529,6 +553,9 @@ def stream(
         dead_letter_topic=dead_letter_topic,
         standby=standby,
         ignore_other_tables=ignore_other_tables,
+        cloudevents=cloudevents.configure(
+            cloudevents_enabled, cloudevents_source, dsn, table, header_columns
+        ),
     )
     relay = StreamRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -596,6 +623,8 @@ def poll(
     topic_template: str,
     tombstone_on_empty_payload: bool,
     kafka_timeout: float,
+    cloudevents_enabled: bool,
+    cloudevents_source: str | None,
     workers: int,
     batch_size: int,
     poll_interval: float,
@@ -634,6 +663,7 @@ def poll(
         shutdown_timeout=shutdown_timeout,
         kafka_timeout=kafka_timeout,
         progress_interval=progress_interval,
+        cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
     )
     relay = PollRelay(settings, start_metrics(metrics_host, metrics_port))
     for signum in (signal.SIGTERM, signal.SIGINT):
