@@ -5,6 +5,9 @@ send the same messages; an event without a type is refused by both, never sent w
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -148,7 +151,26 @@ def test_stream_and_poll_send_the_same_cloudevents_the_sdk_reads(
         for relay in relays:
             relay.close()
 
-    with psycopg.connect(outbox_db, autocommit=True) as conn:
+    stream, poll = wire(received["stream"]), wire(received["poll"])
+    assert len(stream) == len(received["stream"]) == len(rows)
+    assert stream == poll, "stream and poll sent different messages"
+    check_cloudevents(received["stream"], rows, outbox_db, table, payload_type)
+
+
+def wire(messages: list[Received]) -> dict[str, tuple[Any, ...]]:
+    """The messages by event id, as the relay made them (without the topic's test prefix)."""
+    return {
+        # a message without a key goes to a random partition
+        m.id: (m.topic.split(".", 1)[1], m.key and m.partition, m.key, m.value, m.headers)
+        for m in messages
+    }
+
+
+def check_cloudevents(
+    messages: list[Received], rows: list[Row], dsn: str, table: str, payload_type: str
+) -> None:
+    """The SDK reads each message as the CloudEvent of its row."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
         database = conn.info.dbname
         created = dict(
             conn.execute(
@@ -157,19 +179,7 @@ def test_stream_and_poll_send_the_same_cloudevents_the_sdk_reads(
                 ).format(sql.Identifier(table))
             ).fetchall()
         )
-
-    def wire(messages: list[Received]) -> dict[str, tuple[Any, ...]]:
-        return {
-            # a message without a key goes to a random partition
-            m.id: (m.topic.split(".", 1)[1], m.key and m.partition, m.key, m.value, m.headers)
-            for m in messages
-        }
-
-    stream, poll = wire(received["stream"]), wire(received["poll"])
-    assert len(stream) == len(received["stream"]) == len(rows)
-    assert stream == poll, "stream and poll sent different messages"
-
-    for message in received["stream"]:
+    for message in messages:
         row = next(r for r in rows if r.id == message.id)
         event = cloudevent(message)
         assert event.get_specversion() == "1.0"
@@ -238,3 +248,44 @@ def attempts(dsn: str, event_id: str) -> int:
             "SELECT attempts FROM outbox_events WHERE id = %s", [event_id]
         ).fetchone()
     return int(row[0]) if row else 0
+
+
+def test_the_switch_from_poll_to_stream_publishes_the_same_cloudevents(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """setup-slot --from-poller --cloudevents publishes the rows the poller left as poll and
+    stream would."""
+    table = outbox_table(outbox_db, "jsonb")
+    rows = ROWS["jsonb"]
+    bootstrap = kafka_service.bootstrap
+    slot = f"{names.slot}_before"  # the handover makes names.slot
+    setup_slot(outbox_db, names, slot=slot, table=table)
+    stream = start("stream", outbox_db, bootstrap, names, tmp_path, table=table, slot=slot)
+    try:
+        write(outbox_db, table, "jsonb", rows)
+        streamed = consume(bootstrap, f"{names.topic_prefix}_stream", len(rows), settle=1)
+        assert stream.stop() == 0, stream.log()
+    finally:
+        stream.close()
+    env = relay_env(
+        outbox_db,
+        bootstrap,
+        names,
+        table=table,
+        topic_template=f"{names.topic_prefix}_handover.{{aggregate_type}}",
+        tombstone_on_empty_payload="true",
+        cloudevents="true",
+    )
+    switched = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert switched.returncode == 0, switched.stderr
+    assert f"published {len(rows)} events" in switched.stdout
+    handed_over = consume(bootstrap, f"{names.topic_prefix}_handover", len(rows), settle=1)
+    assert wire(handed_over) == wire(streamed)
+    check_cloudevents(handed_over, rows, outbox_db, table, "jsonb")
