@@ -246,6 +246,7 @@ class RowMapper:
             event_type_text = _text(event_type, "event_type", event_id)
         if type(payload) is not bytes or self.payload_is_bytea:
             payload = _payload(payload, self.payload_is_bytea)
+        created_at = None if self.created_at is None else values[self.created_at]
         return OutboxEvent(
             event_id,
             type_text,
@@ -262,13 +263,9 @@ class RowMapper:
             )
             if self.headers
             else (),
-            None if self.created_at is None else _bytes_or_none(values[self.created_at]),
+            created_at if type(created_at) is bytes else None,  # not NULL
             self.payload_kind,
         )
-
-
-def _bytes_or_none(value: Value) -> bytes | None:
-    return value if isinstance(value, bytes) else None
 
 
 def _text(value: Value, column: str, event_id: str | None = None) -> str:
