@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 import setproctitle
 
-from cdc_relay import __version__, logs, startup
+from cdc_relay import __version__, cloudevents, logs, startup
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -59,6 +59,10 @@ def _dsn(ctx: click.Context, param: click.Parameter, value: str) -> str:
 
 def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return check_template(value)
+
+
+def _cloudevents_source(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+    return None if value is None else cloudevents.check_source(value)
 
 
 class Seconds(click.FloatRange):
@@ -246,6 +250,21 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
                     show_default=True,
                     help="Seconds to wait for a broker to answer at start-up.",
                 ),
+                _option(
+                    "--cloudevents",
+                    "cloudevents_enabled",
+                    is_flag=True,
+                    help="Add the CloudEvents headers of the Kafka binding's binary mode "
+                    "(ce_specversion, ce_id, ce_source, ce_type, ce_time from created_at, "
+                    "ce_subject from aggregate_id, content-type); key and value stay as they are.",
+                ),
+                _option(
+                    "--cloudevents-source",
+                    metavar="URI-REFERENCE",
+                    callback=_cloudevents_source,
+                    help="ce_source of every event, with --cloudevents; default "
+                    "/cdc-relay/<database>/<schema>.<table> of the outbox table.",
+                ),
             ]
         ):
             func = option(func)
@@ -338,6 +357,8 @@ def setup_slot(
     topic_template: str,
     tombstone_on_empty_payload: bool,
     kafka_timeout: float,
+    cloudevents_enabled: bool,
+    cloudevents_source: str | None,
 ) -> None:
     """Check the database and create the publication and the replication slot.
 
@@ -371,6 +392,7 @@ def setup_slot(
             topic_template=topic_template,
             tombstone_on_empty=tombstone_on_empty_payload,
             kafka_timeout=kafka_timeout,
+            cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
         )
         for line in handover(settings, spec).lines:
             click.echo(line)
@@ -622,6 +644,8 @@ def stream(
     status_interval: float,
     shutdown_timeout: float,
     kafka_timeout: float,
+    cloudevents_enabled: bool,
+    cloudevents_source: str | None,
     progress_interval: float,
     columns: tuple[str, ...],
     shard: Shard | None,
@@ -661,6 +685,9 @@ def stream(
         standby=standby,
         ignore_other_tables=ignore_other_tables,
         shard=shard,
+        cloudevents=cloudevents.configure(
+            cloudevents_enabled, cloudevents_source, dsn, table, header_columns
+        ),
     )
     run_relay(StreamRelay(settings, start_metrics(metrics_host, metrics_port)))
 
@@ -725,6 +752,8 @@ def poll(
     topic_template: str,
     tombstone_on_empty_payload: bool,
     kafka_timeout: float,
+    cloudevents_enabled: bool,
+    cloudevents_source: str | None,
     workers: int,
     batch_size: int,
     poll_interval: float,
@@ -763,6 +792,7 @@ def poll(
         shutdown_timeout=shutdown_timeout,
         kafka_timeout=kafka_timeout,
         progress_interval=progress_interval,
+        cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
     )
     run_relay(PollRelay(settings, start_metrics(metrics_host, metrics_port)))
 

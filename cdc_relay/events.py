@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.lsn import Lsn
@@ -21,6 +22,20 @@ PG_EPOCH_OFFSET_US = 946_684_800_000_000
 BYTEA_OID = 17
 """pg_type OID of bytea: both plugins send its text form, which the relay turns back into
 the stored bytes."""
+
+JSON_OIDS = frozenset({114, 3802})  # json, jsonb
+TIMESTAMP_OIDS = frozenset({1114, 1184})  # timestamp, timestamptz
+
+PayloadKind = Literal["json", "text", "bytes"]
+"""What the payload column holds, by its declared type: json or jsonb, bytea (or a domain over
+it), or anything else, sent as its text."""
+
+
+def payload_kind(type_oid: int | None, bytea: bool) -> PayloadKind:
+    """The kind of a payload column of type ``type_oid``; ``bytea`` if bytea or a domain over it."""
+    if bytea:
+        return "bytes"
+    return "json" if type_oid in JSON_OIDS else "text"
 
 
 @dataclass(slots=True)
@@ -115,6 +130,9 @@ class OutboxEvent:
     xid: int
     commit_time_us: int
     headers: tuple[tuple[str, bytes], ...] = ()  # extra columns chosen as headers
+    # The created_at column's text as PostgreSQL printed it (timestamp types only), if any.
+    created_at: bytes | None = None
+    payload_kind: PayloadKind = "json"
 
 
 class SchemaError(RelayError):
@@ -165,6 +183,8 @@ class RowMapper:
     payload: int
     headers: tuple[tuple[str, int], ...]
     payload_is_bytea: bool = False
+    created_at: int | None = None  # position of a timestamp column named created_at
+    payload_kind: PayloadKind = "json"
 
     @classmethod
     def for_relation(
@@ -187,6 +207,10 @@ class RowMapper:
         headers = tuple(
             (name, positions[name]) for name in layout.header_columns if name in positions
         )
+        payload_type = relation.columns[positions[layout.payload]].type_oid
+        created_at = positions.get("created_at")
+        if created_at is not None and relation.columns[created_at].type_oid not in TIMESTAMP_OIDS:
+            created_at = None
         return cls(
             relid=relation.relid,
             id=positions[layout.id],
@@ -195,7 +219,9 @@ class RowMapper:
             event_type=positions[layout.event_type],
             payload=positions[layout.payload],
             headers=headers,
-            payload_is_bytea=relation.columns[positions[layout.payload]].type_oid in bytea_types,
+            payload_is_bytea=payload_type in bytea_types,
+            created_at=created_at,
+            payload_kind=payload_kind(payload_type, payload_type in bytea_types),
         )
 
     def event(self, row: Insert, begin: Begin) -> OutboxEvent:
@@ -220,6 +246,7 @@ class RowMapper:
             event_type_text = _text(event_type, "event_type", event_id)
         if type(payload) is not bytes or self.payload_is_bytea:
             payload = _payload(payload, self.payload_is_bytea)
+        created_at = None if self.created_at is None else values[self.created_at]
         return OutboxEvent(
             event_id,
             type_text,
@@ -236,6 +263,8 @@ class RowMapper:
             )
             if self.headers
             else (),
+            created_at if type(created_at) is bytes else None,  # not NULL
+            self.payload_kind,
         )
 
 

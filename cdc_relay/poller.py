@@ -39,8 +39,9 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import class_row, dict_row
 
+from cdc_relay.cloudevents import CloudEvents
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
-from cdc_relay.events import OutboxEvent
+from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
 from cdc_relay.metrics import (
     BATCH_DURATION,
     CONNECTED,
@@ -84,6 +85,7 @@ class PollSettings:
     shutdown_timeout: float = 30.0
     kafka_timeout: float = 15.0
     progress_interval: float = 10.0
+    cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
 
 
 def backoff(
@@ -109,6 +111,8 @@ class OutboxRow:
     payload: bytes | None
     payload_type: int  # pg_type oid of the payload column when the row was read
     attempts: int
+    created_at: str | None = None  # ISO 8601 (to_jsonb), when the table has the column
+    payload_kind: PayloadKind = "json"
 
     @property
     def aggregate(self) -> tuple[str, str]:
@@ -124,6 +128,8 @@ class OutboxRow:
             commit_lsn=0,
             xid=0,
             commit_time_us=0,
+            created_at=None if self.created_at is None else self.created_at.encode(),
+            payload_kind=self.payload_kind,
         )
 
 
@@ -143,6 +149,7 @@ class Outbox:
     table: OutboxTable
     payload_type: int | None  # pg_type oid of the payload column; None without one
     payload_bytea: bool  # bytea, or a domain over it
+    created_at: bool = False  # a created_at column of a timestamp type
 
     @property
     def qualified(self) -> str:
@@ -164,7 +171,10 @@ class Outbox:
         sends, so both relays publish the same value)."""
         payload = QUERIES["payload_bytes" if self.payload_bytea else "payload_text"]
         return sql.SQL(QUERIES[name]).format(
-            table=sql.Identifier(self.table.schema, self.table.name), payload=sql.SQL(payload)
+            table=sql.Identifier(self.table.schema, self.table.name),
+            payload=sql.SQL(payload),
+            created_at=sql.SQL(QUERIES["created_at_text" if self.created_at else "no_created_at"]),
+            payload_kind=sql.Literal(payload_kind(self.payload_type, self.payload_bytea)),
         )
 
     def check_payload(self, rows: Sequence[OutboxRow]) -> None:
@@ -194,7 +204,12 @@ def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
             "or name yours with --table"
         )
     payload = conn.execute(QUERIES["poll_payload"], {"oid": found.oid}).fetchone() or {}
-    return Outbox(found, payload.get("payload_type"), bool(payload.get("payload_bytea")))
+    return Outbox(
+        found,
+        payload.get("payload_type"),
+        bool(payload.get("payload_bytea")),
+        payload.get("created_at_type") in TIMESTAMP_OIDS,
+    )
 
 
 def _check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> None:
@@ -316,7 +331,9 @@ class Publisher:
     """
 
     def __init__(self, settings: PollSettings) -> None:
-        self.router = Router(settings.topic_template, settings.tombstone_on_empty)
+        self.router = Router(
+            settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
+        )
         self.sink = KafkaSink(
             settings.kafka_config, on_ack=self._acked, relay="poll", on_refused=self._refused
         )

@@ -11,6 +11,7 @@ import re
 import string
 from dataclasses import dataclass
 
+from cdc_relay.cloudevents import CloudEvents
 from cdc_relay.errors import UsageError
 from cdc_relay.events import OutboxEvent, SchemaError
 from cdc_relay.lsn import Lsn
@@ -87,17 +88,24 @@ def check_template(template: str) -> str:
 
 
 class Router:
-    """Routes events to topics; key = aggregate_id, value = the payload bytes as stored."""
+    """Routes events to topics; key = aggregate_id, value = the payload bytes as stored; with
+    ``cloudevents``, the CloudEvents headers after the others."""
 
     def __init__(
-        self, topic_template: str = DEFAULT_TOPIC_TEMPLATE, tombstone_on_empty: bool = False
+        self,
+        topic_template: str = DEFAULT_TOPIC_TEMPLATE,
+        tombstone_on_empty: bool = False,
+        cloudevents: CloudEvents | None = None,
     ) -> None:
         check_template(topic_template)
         self._template = topic_template
         self._tombstone_on_empty = tombstone_on_empty
+        self._cloudevents = cloudevents
         self._topics: dict[tuple[str, str], str] = {}
 
     def route(self, event: OutboxEvent) -> Message:
+        # First: it refuses an event without the attributes CloudEvents requires.
+        cloudevents = None if self._cloudevents is None else self._cloudevents.headers(event)
         headers = [
             ("id", event.id.encode()),
             ("event_type", event.event_type.encode()),
@@ -105,6 +113,8 @@ class Router:
         ]
         if event.headers:
             headers.extend(event.headers)
+        if cloudevents:
+            headers.extend(cloudevents)
         # Per event: the common cases inline (a cached topic, a payload), the rest in methods.
         topic = self._topics.get((event.aggregate_type, event.event_type)) or self.topic(event)
         return Message(

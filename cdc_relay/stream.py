@@ -18,6 +18,7 @@ from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
+from cdc_relay.cloudevents import CloudEvents
 from cdc_relay.deadletter import DeadLetters
 from cdc_relay.errors import (
     DecodeError,
@@ -100,6 +101,7 @@ class StreamSettings:
     # Skip rows of other tables in the publication (logged) instead of stopping at the first.
     ignore_other_tables: bool = False
     shard: Shard | None = None  # slot and publication are then the shard's (shards.py)
+    cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
 
 
 @dataclass
@@ -134,7 +136,9 @@ class StreamRelay:
         self.settings = settings
         self.health = health or Health()
         self.tracker = LsnTracker()
-        self.router = Router(settings.topic_template, settings.tombstone_on_empty)
+        self.router = Router(
+            settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
+        )
         self.sink = KafkaSink(
             settings.kafka_config, on_ack=self._acked, on_refused=self._refused, relay="stream"
         )

@@ -250,8 +250,11 @@ FROM (
 -- for, since the rows behind it must not go first.
 -- {payload} is payload_bytes or payload_text, chosen by the column's type at start; its type
 -- comes along, so a column retyped while the poller runs is noticed before a row is published.
+-- {created_at} is created_at_text or no_created_at, {payload_kind} the kind of the payload
+-- column (routing needs both for --cloudevents).
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
-       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts
+       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
+       {created_at} AS created_at, {payload_kind} AS payload_kind
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
@@ -336,10 +339,11 @@ ORDER BY l.pid
 SET TRANSACTION SNAPSHOT {snapshot}
 
 -- unprocessed --
--- Every row not yet published, oldest first, as of the transaction's snapshot; {payload} as
--- in claim
+-- Every row not yet published, oldest first, as of the transaction's snapshot; {payload},
+-- {created_at} and {payload_kind} as in claim
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
-       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts
+       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
+       {created_at} AS created_at, {payload_kind} AS payload_kind
 FROM {table} AS t
 WHERE t.processed_at IS NULL
 ORDER BY t.seq
@@ -355,7 +359,8 @@ RETURNING event_id
 
 -- poll_payload --
 -- The payload column of the outbox table: its declared type, and whether that is bytea or a
--- domain over it (the poller chooses payload_bytes or payload_text by it, once)
+-- domain over it (the poller chooses payload_bytes or payload_text by it, once); and the
+-- declared type of its created_at column, if it has one
 WITH RECURSIVE payload (declared, type) AS (
     SELECT a.atttypid, a.atttypid
     FROM pg_attribute a
@@ -366,7 +371,10 @@ WITH RECURSIVE payload (declared, type) AS (
     WHERE t.typtype = 'd'
 )
 SELECT (SELECT declared::bigint FROM payload LIMIT 1) AS payload_type,
-       coalesce((SELECT bool_or(type = 'bytea'::regtype) FROM payload), false) AS payload_bytea
+       coalesce((SELECT bool_or(type = 'bytea'::regtype) FROM payload), false) AS payload_bytea,
+       (SELECT a.atttypid::bigint FROM pg_attribute a
+        WHERE a.attrelid = %(oid)s::oid AND a.attname = 'created_at' AND NOT a.attisdropped)
+           AS created_at_type
 
 -- payload_bytes --
 -- The payload of a bytea column, for claim and unprocessed: the bytes as stored
@@ -376,6 +384,15 @@ t.payload
 -- The payload of any other column (text, json, jsonb, ...), for claim and unprocessed: its
 -- text in the database's encoding, the bytes pgoutput sends
 convert_to(t.payload::text, getdatabaseencoding())
+
+-- created_at_text --
+-- A created_at column of a timestamp type, for claim and unprocessed: its ISO 8601 text
+-- whatever the session's DateStyle (ce_time of --cloudevents is made from it)
+to_jsonb(t.created_at) #>> '{}'
+
+-- no_created_at --
+-- The same for a table without such a column
+NULL::text
 
 -- lock_room --
 -- Entries of PostgreSQL's shared lock table (at least: background processes add some)

@@ -12,7 +12,8 @@ file names the paths that must reproduce it, and ``ABSENT`` says why the others 
 
 CDC_RELAY_RECORD_GOLDEN=1 records instead of comparing: the first path of each file writes
 it (after checking every message against what PostgreSQL stored), the other paths then
-compare against the new file as usual.
+compare against the new file as usual. CDC_RELAY_RECORD_GOLDEN=name[,name...] records only
+those files (a new one), and compares the others.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import difflib
 import hashlib
 import json
 import os
+import re
 import signal
 import time
 from collections import Counter, defaultdict
@@ -48,7 +50,7 @@ from cdc_relay.slot import SlotSpec, setup
 pytestmark = pytest.mark.integration
 
 GOLDEN_DIR = Path(__file__).parents[1] / "golden"
-RECORD = os.environ.get("CDC_RELAY_RECORD_GOLDEN") == "1"
+RECORD = os.environ.get("CDC_RELAY_RECORD_GOLDEN", "")  # "1": every file; or names, comma-separated
 
 # The default template, behind a prefix of the test's own: the golden files hold the topic
 # without the prefix.
@@ -57,6 +59,11 @@ PARTITIONS = 3  # the golden partitions are murmur2 of the key modulo 3
 BIG_VALUE = 4096  # bytes; a longer value is kept in the files as its size and SHA-256
 HEADER_COLUMNS = "region tenant"  # as --header-column region --header-column tenant
 ANY_PARTITION = None  # a NULL key goes to a random partition (murmur2_random)
+CONTENT_TYPES = {  # --cloudevents: the content-type of each payload column type
+    "jsonb": b"application/json",
+    "text": b"text/plain; charset=utf-8",
+    "bytea": b"application/octet-stream",
+}
 
 
 # -- the scenario -----------------------------------------------------------------------------
@@ -74,6 +81,7 @@ class Event:
     payload: str | bytes | None
     tenant: str | None = None
     region: str | None = None
+    created_at: str | None = "now"  # timestamptz input ('now': the transaction's start)
 
     @property
     def id(self) -> str:
@@ -93,6 +101,15 @@ class GoldenFile:
     payload_type: str  # of that table's payload column
     transactions: tuple[tuple[Event, ...], ...]
     paths: tuple[str, ...]  # the paths that must reproduce it; the first one records it
+    options: tuple[tuple[str, str], ...] = ()  # CDC_RELAY_* settings of its relays (lowercase)
+
+    @property
+    def recording(self) -> bool:
+        return RECORD == "1" or self.name in RECORD.split(",")
+
+    @property
+    def cloudevents_source(self) -> str | None:
+        return dict(self.options).get("cloudevents_source")
 
     @property
     def file(self) -> Path:
@@ -229,7 +246,80 @@ BYTEA_PAYLOAD = GoldenFile(
     paths=(*STREAM_PATHS, "poll"),
 )
 
-GOLDEN_FILES = (OUTBOX, HEADER_COLUMNS_FILE, TEXT_PAYLOAD, BYTEA_PAYLOAD)
+CLOUDEVENTS = GoldenFile(
+    name="cloudevents",
+    table="outbox_cloudevents",
+    payload_type="jsonb",
+    transactions=(
+        (
+            Event(
+                29,
+                "parcel",
+                "p-1",
+                "parcel.created",
+                '{"weight": 2.5}',
+                created_at="2026-01-05 10:00:00.123456+01",
+            ),
+            Event(
+                30,
+                "parcel",
+                "p-1",
+                "parcel.shipped",
+                '{"by": "ACME"}',
+                created_at="2026-01-05 09:00:00+00",
+            ),
+            # Non-ASCII type and subject: UTF-8, as in the relay's own headers.
+            Event(
+                31,
+                "maße",
+                "maß-1",
+                "maße.geändert",
+                '{"wert": "½"}',
+                created_at="2026-07-01 12:00:00.5+05:30",
+            ),
+        ),
+        (
+            # No ce_subject for a NULL, an empty or a control-character aggregate_id.
+            Event(
+                32,
+                "parcel",
+                None,
+                "parcel.broadcast",
+                '{"notice": 1}',
+                created_at="2026-01-05 10:00:00+00",
+            ),
+            Event(33, "parcel", "", "parcel.unkeyed", "{}", created_at="2026-01-05 10:00:01+00"),
+            Event(
+                34,
+                "parcel",
+                "line\nbreak",
+                "parcel.odd",
+                "{}",
+                created_at="2026-01-05 10:00:02+00",
+            ),
+            # A tombstone keeps the CloudEvents headers.
+            Event(35, "parcel", "p-2", "parcel.lost", None, created_at="2026-01-05 10:00:03+00"),
+        ),
+        (
+            # No ce_time where RFC 3339 has no such time, or there is none.
+            Event(36, "parcel", "p-3", "parcel.timeless", "{}", created_at="infinity"),
+            Event(
+                37, "parcel", "p-3", "parcel.ancient", "{}", created_at="0044-03-15 12:00:00+00 BC"
+            ),
+            Event(38, "parcel", "p-3", "parcel.future", "{}", created_at="10000-01-01 00:00:00+00"),
+            Event(39, "parcel", "p-3", "parcel.undated", "{}", created_at=None),
+            # Four digits of year, in UTC: 1000-01-01T01:00:00Z.
+            Event(40, "parcel", "p-3", "parcel.early", "{}", created_at="0999-12-31 23:00:00-02"),
+        ),
+    ),
+    paths=(*STREAM_PATHS, "poll"),
+    options=(
+        ("cloudevents", "true"),
+        ("cloudevents_source", "/cdc-relay/shop/public.outbox_cloudevents"),
+    ),
+)
+
+GOLDEN_FILES = (OUTBOX, HEADER_COLUMNS_FILE, TEXT_PAYLOAD, BYTEA_PAYLOAD, CLOUDEVENTS)
 
 # Why a path does not reproduce a golden file: it cannot write or relay those events.
 ABSENT = {
@@ -240,6 +330,8 @@ ABSENT = {
     ("text_payload", "message-wal2json"): "outbox_emit() takes jsonb: no empty or non-JSON text",
     ("bytea_payload", "message-pgoutput"): "outbox_emit() takes jsonb: no raw bytes",
     ("bytea_payload", "message-wal2json"): "outbox_emit() takes jsonb: no raw bytes",
+    ("cloudevents", "message-pgoutput"): "outbox_emit() carries no created_at: no ce_time",
+    ("cloudevents", "message-wal2json"): "outbox_emit() carries no created_at: no ce_time",
 }
 
 
@@ -254,7 +346,7 @@ def test_every_path_reproduces_or_is_excused_from_every_golden_file() -> None:
         for path in PATHS:
             excused = (golden.name, path) in ABSENT
             assert (path in golden.paths) != excused, f"{golden.name}: {path} neither or both"
-        if not RECORD:
+        if not golden.recording:
             lines = golden.lines()
             assert len(lines) == len(golden.events), f"{golden.file}: one line per event"
 
@@ -341,7 +433,7 @@ def prepare_tables(dsn: str, goldens: Sequence[GoldenFile]) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "ALTER TABLE outbox_events ALTER COLUMN aggregate_id DROP NOT NULL,"
-            " ALTER COLUMN payload DROP NOT NULL,"
+            " ALTER COLUMN payload DROP NOT NULL, ALTER COLUMN created_at DROP NOT NULL,"
             " ADD COLUMN tenant text, ADD COLUMN region text"
         )
         for golden in goldens:
@@ -353,6 +445,8 @@ def prepare_tables(dsn: str, goldens: Sequence[GoldenFile]) -> None:
                     table
                 )
             )
+            if golden.payload_type == "jsonb":
+                continue  # as in outbox_events
             conn.execute(
                 sql.SQL("ALTER TABLE {} ALTER COLUMN payload TYPE {} USING {}").format(
                     table,
@@ -376,8 +470,9 @@ def write_scenario(dsn: str, golden: GoldenFile, as_messages: bool) -> None:
     else:
         statement = sql.SQL(
             "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, tenant,"
-            " region) VALUES (%(id)s::uuid, %(aggregate_type)s, %(aggregate_id)s,"
-            " %(event_type)s, %(payload)s::{}, %(tenant)s, %(region)s)"
+            " region, created_at) VALUES (%(id)s::uuid, %(aggregate_type)s, %(aggregate_id)s,"
+            " %(event_type)s, %(payload)s::{}, %(tenant)s, %(region)s,"
+            " %(created_at)s::timestamptz)"
         ).format(sql.Identifier(golden.table), sql.SQL(golden.payload_type))
     with psycopg.connect(dsn) as conn:
         for transaction in golden.transactions:
@@ -393,6 +488,7 @@ def write_scenario(dsn: str, golden: GoldenFile, as_messages: bool) -> None:
                             "payload": event.payload,
                             "tenant": event.tenant,
                             "region": event.region,
+                            "created_at": event.created_at,
                         },
                     )
 
@@ -404,8 +500,14 @@ def stored_messages(dsn: str, golden: GoldenFile) -> dict[str, tuple[Any, ...]]:
     payload = sql.SQL(
         "payload" if golden.payload_type == "bytea" else "convert_to(payload::text, 'UTF8')"
     )
-    query = sql.SQL("SELECT {} FROM {} WHERE id = %s::uuid").format(
-        payload, sql.Identifier(golden.table)
+    # ce_time: created_at in UTC where RFC 3339 can write it, by PostgreSQL's own to_char
+    utc = sql.SQL("(created_at AT TIME ZONE 'UTC')")
+    time = sql.SQL(
+        "CASE WHEN {utc} >= '0001-01-01' AND {utc} < '10000-01-01' AND isfinite(created_at)"
+        ' THEN to_char({utc}, \'YYYY-MM-DD"T"HH24:MI:SS.US"Z"\') END'
+    ).format(utc=utc)
+    query = sql.SQL("SELECT {}, {} FROM {} WHERE id = %s::uuid").format(
+        payload, time, sql.Identifier(golden.table)
     )
     expected = {}
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -422,6 +524,19 @@ def stored_messages(dsn: str, golden: GoldenFile) -> dict[str, tuple[Any, ...]]:
                 extra = getattr(event, column)
                 if extra is not None:
                     headers.append((column, extra.encode()))
+            if golden.cloudevents_source:
+                headers += [
+                    ("ce_specversion", b"1.0"),
+                    ("ce_id", event.id.encode()),
+                    ("ce_source", golden.cloudevents_source.encode()),
+                    ("ce_type", event.event_type.encode()),
+                ]
+                if row[1] is not None:
+                    headers.append(("ce_time", row[1].encode()))
+                subject = event.aggregate_id
+                if subject and not re.search("[\x00-\x1f\x7f-\x9f]", subject):
+                    headers.append(("ce_subject", subject.encode()))
+                headers.append(("content-type", CONTENT_TYPES[golden.payload_type]))
             key = None if event.aggregate_id is None else event.aggregate_id.encode()
             expected[event.id] = (key, value, tuple(headers))
     return expected
@@ -520,13 +635,22 @@ def start_relays(
         "topic_template": f"{names.topic_prefix}.{TOPIC_TEMPLATE}",
         "tombstone_on_empty_payload": "true",
     }
+    options = {g.table: dict(g.options) for g in goldens}  # of the golden file of each table
     if path == "poll":
         install_poller(dsn)
         tables = list(dict.fromkeys(g.table for g in goldens))
         return [
             RelayProcess(
                 log_dir,
-                relay_env(dsn, bootstrap, names, table=table, poll_interval="0.5", **common),
+                relay_env(
+                    dsn,
+                    bootstrap,
+                    names,
+                    table=table,
+                    poll_interval="0.5",
+                    **common,
+                    **options.get(table, {}),
+                ),
                 name=f"poll-{table}",
                 command="poll",
             )
@@ -548,6 +672,7 @@ def start_relays(
             table=table,
             header_column=HEADER_COLUMNS,
             **common,
+            **options.get(table, {}),
         )
         relays.append(RelayProcess(log_dir, env, name=f"{path}-{table}"))
     return relays
@@ -574,15 +699,15 @@ def relay(
 ) -> list[Received]:
     """Write the golden files' scenario, relay it on ``path``, return what Kafka holds."""
     prepare_tables(dsn, goldens)
-    if not RECORD:
-        create_topics(
-            bootstrap,
-            {
-                f"{names.topic_prefix}.{json.loads(line)['topic']}"
-                for golden in goldens
-                for line in golden.lines()
-            },
-        )
+    create_topics(  # a recording's topics are created by the relay
+        bootstrap,
+        {
+            f"{names.topic_prefix}.{json.loads(line)['topic']}"
+            for golden in goldens
+            if not golden.recording
+            for line in golden.lines()
+        },
+    )
     relays = start_relays(path, dsn, bootstrap, names, log_dir, goldens)
     for golden in goldens:
         write_scenario(dsn, golden, as_messages=path in MESSAGE_PATHS)
@@ -621,7 +746,7 @@ def check_recording(dsn: str, golden: GoldenFile, messages: Sequence[Received]) 
 def golden_problems(path: str, dsn: str, golden: GoldenFile, messages: list[Received]) -> str:
     """How ``messages`` differ from the golden file (empty if they do not), or record it."""
     lines = golden_lines(messages, golden)
-    if RECORD and path == golden.paths[0]:
+    if golden.recording and path == golden.paths[0]:
         check_recording(dsn, golden, messages)
         golden.file.write_text("".join(line + "\n" for line in lines))
     if not golden.file.exists():
