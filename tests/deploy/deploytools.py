@@ -21,7 +21,8 @@ DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "base"
 OVERLAY = DEPLOY / "overlays" / "example"
 STANDBY = DEPLOY / "overlays" / "standby"
-OVERLAYS = (OVERLAY, STANDBY)
+SHARDED = DEPLOY / "overlays" / "sharded"
+OVERLAYS = (OVERLAY, STANDBY, SHARDED)
 KUSTOMIZATIONS = (BASE, *OVERLAYS)
 METRICS_PORT = 9464
 
@@ -169,6 +170,39 @@ def stream_workloads(
         for workload, template in pod_templates(objects)
         if command_of(template) == "stream"
     ]
+
+
+def option_value(args: list[str], option: str) -> str | None:
+    """The value of ``--option VALUE`` or ``--option=VALUE`` in a container's args."""
+    for previous, arg in zip(["", *args], args, strict=False):
+        if previous == option:
+            return arg
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def expanded_env(container: dict[str, Any], given: dict[str, str]) -> dict[str, str]:
+    """The container's plain environment as the kubelet makes it: each `$(NAME)` replaced by
+    the value of a variable defined before it (``given`` holds those of the downward API),
+    `$$` by `$`, and an unknown reference left as it is."""
+    values: dict[str, str] = {}
+
+    def expand(text: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            if match[0] == "$$":
+                return "$"
+            return values.get(match[1], match[0])
+
+        return re.sub(r"\$\$|\$\((\w+)\)", one, text)
+
+    for variable in container.get("env", []):
+        name = variable["name"]
+        if "value" in variable:
+            values[name] = expand(variable["value"])
+        elif name in given:
+            values[name] = given[name]
+    return values
 
 
 def secrets_of(template: dict[str, Any]) -> set[str]:
