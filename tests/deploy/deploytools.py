@@ -22,7 +22,8 @@ BASE = DEPLOY / "base"
 OVERLAY = DEPLOY / "overlays" / "example"
 STANDBY = DEPLOY / "overlays" / "standby"
 SHARDED = DEPLOY / "overlays" / "sharded"
-OVERLAYS = (OVERLAY, STANDBY, SHARDED)
+RESHARD = DEPLOY / "overlays" / "reshard"
+OVERLAYS = (OVERLAY, STANDBY, SHARDED, RESHARD)
 KUSTOMIZATIONS = (BASE, *OVERLAYS)
 METRICS_PORT = 9464
 
