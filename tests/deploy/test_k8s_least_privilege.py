@@ -1,6 +1,6 @@
 """Least privilege in deploy/: each workload connects as its own role of sql/roles.sql, from
-its own Secret. The stream pods as the stream role (it reads the slot, changes nothing); the
-Jobs as the outbox table's owner (a publication needs it). Neither sees the other's Secret."""
+its own Secret. The stream pods as the stream role (it reads the slot, changes no outbox row);
+the Jobs as the outbox table's owner (a publication needs it). Neither sees the other's Secret."""
 
 from __future__ import annotations
 
