@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -20,7 +21,10 @@ DEPLOY = ROOT / "deploy"
 BASE = DEPLOY / "base"
 OVERLAY = DEPLOY / "overlays" / "example"
 STANDBY = DEPLOY / "overlays" / "standby"
-KUSTOMIZATIONS = (BASE, OVERLAY, STANDBY)
+SHARDED = DEPLOY / "overlays" / "sharded"
+RESHARD = DEPLOY / "overlays" / "reshard"
+OVERLAYS = (OVERLAY, STANDBY, SHARDED, RESHARD)
+KUSTOMIZATIONS = (BASE, *OVERLAYS)
 METRICS_PORT = 9464
 
 # Every metric cdc-relay exports, by the name Prometheus stores, and its type. The alert
@@ -115,13 +119,19 @@ def kustomize_command() -> list[str] | None:
 
 
 def render(folder: Path) -> list[dict[str, Any]]:
+    """The objects of a kustomization as `kubectl apply -k` would send them (fresh copies)."""
+    return [doc for doc in yaml.safe_load_all(rendered_text(folder)) if doc]
+
+
+@functools.cache
+def rendered_text(folder: Path) -> str:
     command = kustomize_command()
     assert command is not None
     result = subprocess.run(
         [*command, str(folder)], capture_output=True, text=True, timeout=60, check=False
     )
     assert result.returncode == 0, f"kustomize {folder}: {result.stderr}"
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return result.stdout
 
 
 # -- Kubernetes objects --------------------------------------------------------------------
@@ -138,11 +148,82 @@ def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [obj for obj in objects if obj.get("kind") == kind]
 
 
+WORKLOADS = ("Deployment", "StatefulSet", "Job")
+
+
 def pod_templates(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(workload, pod template) of every Deployment and Job."""
+    """(workload, pod template) of every Deployment, StatefulSet and Job."""
+    return [(obj, obj["spec"]["template"]) for obj in objects if obj["kind"] in WORKLOADS]
+
+
+def command_of(template: dict[str, Any]) -> str:
+    """The cdc-relay command the pod runs: the first argument of its one container."""
+    (container,) = template["spec"]["containers"]
+    return str(container["args"][0])
+
+
+def stream_workloads(
+    objects: list[dict[str, Any]],
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(workload, pod template) of every workload that runs `cdc-relay stream`."""
     return [
-        (obj, obj["spec"]["template"]) for obj in objects if obj["kind"] in ("Deployment", "Job")
+        (workload, template)
+        for workload, template in pod_templates(objects)
+        if command_of(template) == "stream"
     ]
+
+
+def option_value(args: list[str], option: str) -> str | None:
+    """The value of ``--option VALUE`` or ``--option=VALUE`` in a container's args."""
+    for previous, arg in zip(["", *args], args, strict=False):
+        if previous == option:
+            return arg
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def expanded_env(container: dict[str, Any], given: dict[str, str]) -> dict[str, str]:
+    """The container's plain environment as the kubelet makes it: each `$(NAME)` replaced by
+    the value of a variable defined before it (``given`` holds those of the downward API),
+    `$$` by `$`, and an unknown reference left as it is."""
+    values: dict[str, str] = {}
+
+    def expand(text: str) -> str:
+        def one(match: re.Match[str]) -> str:
+            if match[0] == "$$":
+                return "$"
+            return values.get(match[1], match[0])
+
+        return re.sub(r"\$\$|\$\((\w+)\)", one, text)
+
+    for variable in container.get("env", []):
+        name = variable["name"]
+        if "value" in variable:
+            values[name] = expand(variable["value"])
+        elif name in given:
+            values[name] = given[name]
+    return values
+
+
+def secrets_of(template: dict[str, Any]) -> set[str]:
+    """Every Secret a pod template names, wherever: env, envFrom, volumes, projections."""
+    names: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key in ("secretKeyRef", "secretRef") and isinstance(value, dict):
+                    names.add(value["name"])
+                elif key == "secret" and isinstance(value, dict):
+                    names.add(value.get("secretName") or value["name"])
+                visit(value)
+        elif isinstance(node, list):
+            for item in node:
+                visit(item)
+
+    visit(template)
+    return names
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:

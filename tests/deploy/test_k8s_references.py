@@ -10,6 +10,7 @@ from deploytools import (
     KUSTOMIZATIONS,
     METRICS_PORT,
     ROOT,
+    command_of,
     container_ports,
     kustomization,
     named,
@@ -17,6 +18,7 @@ from deploytools import (
     pod_templates,
     relay_settings,
     selects,
+    stream_workloads,
 )
 
 pytestmark = pytest.mark.deploy
@@ -38,11 +40,15 @@ def test_kustomization_lists_every_file_of_its_folder(folder: Any) -> None:
         assert (folder / entry).exists(), entry
 
 
-def stream_template(objects: Objects) -> dict[str, Any]:
-    deployment = named(objects, "Deployment", "cdc-relay")
-    assert deployment is not None
-    template: dict[str, Any] = deployment["spec"]["template"]
-    return template
+# What the Jobs of the overlays run: once, as the outbox table's owner.
+ADMIN_COMMANDS = {"setup-slot", "reshard", "drop-slot"}
+
+
+def stream_templates(objects: Objects) -> list[dict[str, Any]]:
+    """The pod template of every stream workload (a Deployment, or StatefulSets of shards)."""
+    templates = [template for _, template in stream_workloads(objects)]
+    assert templates, "no workload runs cdc-relay stream"
+    return templates
 
 
 def containers(template: dict[str, Any]) -> list[dict[str, Any]]:
@@ -56,6 +62,14 @@ def test_every_workload_selects_its_own_pods(overlay_objects: Objects) -> None:
         selector = workload["spec"].get("selector")
         if selector is not None:
             assert selects(selector, labels), workload["metadata"]["name"]
+
+
+def test_a_stateful_sets_service_exists_and_selects_its_pods(overlay_objects: Objects) -> None:
+    for workload in of_kind(overlay_objects, "StatefulSet"):
+        service = named(overlay_objects, "Service", workload["spec"]["serviceName"])
+        assert service is not None, workload["spec"]["serviceName"]
+        labels = workload["spec"]["template"]["metadata"]["labels"]
+        assert selects(service["spec"]["selector"], labels)
 
 
 def test_config_secret_and_service_account_references_resolve(overlay_objects: Objects) -> None:
@@ -93,41 +107,48 @@ def test_the_settings_are_the_relays_and_hold_no_password(overlay_objects: Objec
 
 
 def test_probes_use_the_health_endpoints_on_the_metrics_port(overlay_objects: Objects) -> None:
-    template = stream_template(overlay_objects)
-    (container,) = template["spec"]["containers"]
-    assert container["args"] == ["stream"]
-    ports = container_ports(template)
-    assert ports == {"metrics": METRICS_PORT}
-    expected = {
-        "livenessProbe": "/healthz",
-        "readinessProbe": "/readyz",
-        "startupProbe": "/healthz",
-    }
-    for probe, path in expected.items():
-        get = container[probe]["httpGet"]
-        assert get["path"] == path
-        assert get["port"] in ports or get["port"] in ports.values()
+    for template in stream_templates(overlay_objects):
+        (container,) = template["spec"]["containers"]
+        assert container["args"] == ["stream"]
+        ports = container_ports(template)
+        assert ports == {"metrics": METRICS_PORT}
+        expected = {
+            "livenessProbe": "/healthz",
+            "readinessProbe": "/readyz",
+            "startupProbe": "/healthz",
+        }
+        for probe, path in expected.items():
+            get = container[probe]["httpGet"]
+            assert get["path"] == path
+            assert get["port"] in ports or get["port"] in ports.values()
 
 
-def test_one_stream_at_a_time_and_time_to_stop_cleanly(overlay_objects: Objects) -> None:
-    deployment = named(overlay_objects, "Deployment", "cdc-relay")
-    assert deployment is not None
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+def test_one_stream_per_slot_and_time_to_stop_cleanly(overlay_objects: Objects) -> None:
     settings = named(overlay_objects, "ConfigMap", "cdc-relay")
     assert settings is not None
-    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > float(settings["data"]["CDC_RELAY_SHUTDOWN_TIMEOUT"])
+    standby = settings["data"].get("CDC_RELAY_STANDBY") == "true"
+    for workload, template in stream_workloads(overlay_objects):
+        # A second pod on one slot only waits for it, and only as a standby.
+        if workload["kind"] == "Deployment" and not standby:
+            assert workload["spec"]["replicas"] == 1
+            assert workload["spec"]["strategy"] == {"type": "Recreate"}
+        grace = template["spec"]["terminationGracePeriodSeconds"]
+        assert grace > float(settings["data"]["CDC_RELAY_SHUTDOWN_TIMEOUT"])
 
 
-def test_setup_slot_is_a_job_of_the_same_image(overlay_objects: Objects) -> None:
-    job = named(overlay_objects, "Job", "cdc-relay-setup-slot")
-    assert job is not None
-    (container,) = job["spec"]["template"]["spec"]["containers"]
-    assert container["args"] == ["setup-slot"]
-    (stream,) = stream_template(overlay_objects)["spec"]["containers"]
-    assert container["image"] == stream["image"]
-    assert re.search(r"@sha256:[0-9a-f]{64}$", container["image"]), "pin the image by digest"
+def test_the_jobs_run_admin_commands_of_the_same_image(overlay_objects: Objects) -> None:
+    jobs = of_kind(overlay_objects, "Job")
+    assert jobs, "no Job sets up the slot"
+    images = {
+        container["image"]
+        for template in stream_templates(overlay_objects)
+        for container in template["spec"]["containers"]
+    }
+    for job in jobs:
+        (container,) = job["spec"]["template"]["spec"]["containers"]
+        assert command_of(job["spec"]["template"]) in ADMIN_COMMANDS, container["args"]
+        assert images == {container["image"]}
+        assert re.search(r"@sha256:[0-9a-f]{64}$", container["image"]), "pin the image by digest"
 
 
 def test_pods_are_locked_down(overlay_objects: Objects) -> None:
@@ -152,33 +173,34 @@ def test_pods_are_locked_down(overlay_objects: Objects) -> None:
     assert account["automountServiceAccountToken"] is False
 
 
-def test_the_metrics_service_and_pod_monitor_reach_the_stream_pod(overlay_objects: Objects) -> None:
-    template = stream_template(overlay_objects)
-    labels = template["metadata"]["labels"]
-    ports = container_ports(template)
+def test_the_metrics_service_and_pod_monitor_reach_the_stream_pods(
+    overlay_objects: Objects,
+) -> None:
     (service,) = of_kind(overlay_objects, "Service")
-    assert selects(service["spec"]["selector"], labels)
-    (port,) = service["spec"]["ports"]
-    assert port["targetPort"] in ports and port["port"] == METRICS_PORT
-    assert service["spec"]["publishNotReadyAddresses"] is True
     (monitor,) = of_kind(overlay_objects, "PodMonitor")
-    assert selects(monitor["spec"]["selector"], labels)
-    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
-        assert endpoint["port"] in ports
-        assert endpoint.get("path", "/metrics") == "/metrics"
-    # Nothing else is scraped by mistake: the setup Job's pods are not selected.
-    job = named(overlay_objects, "Job", "cdc-relay-setup-slot")
-    assert job is not None
-    assert not selects(monitor["spec"]["selector"], job["spec"]["template"]["metadata"]["labels"])
+    for template in stream_templates(overlay_objects):
+        labels = template["metadata"]["labels"]
+        ports = container_ports(template)
+        assert selects(service["spec"]["selector"], labels)
+        (port,) = service["spec"]["ports"]
+        assert port["targetPort"] in ports and port["port"] == METRICS_PORT
+        assert selects(monitor["spec"]["selector"], labels)
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["port"] in ports
+            assert endpoint.get("path", "/metrics") == "/metrics"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    # Nothing else is scraped by mistake: the Jobs' pods are not selected.
+    for job in of_kind(overlay_objects, "Job"):
+        labels = job["spec"]["template"]["metadata"]["labels"]
+        assert not selects(monitor["spec"]["selector"], labels)
 
 
 def test_the_disruption_budget_covers_the_stream_and_lets_drains_proceed(
     overlay_objects: Objects,
 ) -> None:
     (budget,) = of_kind(overlay_objects, "PodDisruptionBudget")
-    assert selects(
-        budget["spec"]["selector"], stream_template(overlay_objects)["metadata"]["labels"]
-    )
+    for template in stream_templates(overlay_objects):
+        assert selects(budget["spec"]["selector"], template["metadata"]["labels"])
     assert budget["spec"].get("maxUnavailable") == 1 and "minAvailable" not in budget["spec"]
 
 
@@ -190,7 +212,11 @@ def test_the_network_policy_lets_in_scrapes_and_out_dns_postgres_kafka(
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
     for _, template in pod_templates(overlay_objects):
         assert selects(spec["podSelector"], template["metadata"]["labels"])
-    ports = container_ports(stream_template(overlay_objects))
+    ports = {
+        name: number
+        for template in stream_templates(overlay_objects)
+        for name, number in container_ports(template).items()
+    }
     (ingress,) = spec["ingress"]
     assert [port["port"] for port in ingress["ports"]] in (["metrics"], [METRICS_PORT])
     assert all(port["port"] in ports or port["port"] in ports.values() for port in ingress["ports"])

@@ -1,0 +1,95 @@
+"""Least privilege in deploy/: each workload connects as its own role of sql/roles.sql, from
+its own Secret. The stream pods as the stream role (it reads the slot, changes no outbox row);
+the Jobs as the outbox table's owner (a publication needs it). Neither sees the other's Secret."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from deploytools import (
+    OVERLAY,
+    ROOT,
+    named,
+    objects_of,
+    of_kind,
+    resource_files,
+    secrets_of,
+    stream_workloads,
+)
+from psycopg.conninfo import conninfo_to_dict
+
+pytestmark = pytest.mark.deploy
+
+Objects = list[dict[str, Any]]
+STREAM_DB = "cdc-relay-stream-db"
+SETUP_DB = "cdc-relay-setup-db"
+
+
+def role_of_roles_sql(variable: str) -> str:
+    """The default name sql/roles.sql gives a role (`\\set stream_role cdc_relay_stream`)."""
+    text = (ROOT / "sql" / "roles.sql").read_text()
+    match = re.search(rf"^\s*\\set {variable} (\S+)$", text, re.M)
+    assert match, f"sql/roles.sql sets no {variable}"
+    return match[1]
+
+
+def libpq_environment(template: dict[str, Any]) -> dict[str, Any]:
+    """The PG* variables of the pod's container: the Secret and key of each, or its value."""
+    (container,) = template["spec"]["containers"]
+    found = {}
+    for variable in container.get("env", []):
+        if variable["name"].startswith("PG"):
+            ref = variable.get("valueFrom", {}).get("secretKeyRef")
+            found[variable["name"]] = (ref["name"], ref["key"]) if ref else variable
+    return found
+
+
+def from_secret(secret: str) -> dict[str, tuple[str, str]]:
+    return {"PGUSER": (secret, "username"), "PGPASSWORD": (secret, "password")}
+
+
+def test_the_stream_connects_as_its_role_and_never_sees_the_owners_secret(
+    overlay_objects: Objects,
+) -> None:
+    for workload, template in stream_workloads(overlay_objects):
+        name = workload["metadata"]["name"]
+        assert libpq_environment(template) == from_secret(STREAM_DB), name
+        assert secrets_of(template) == {STREAM_DB}, name
+
+
+def test_the_jobs_connect_as_the_tables_owner_and_never_see_the_streams_secret(
+    overlay_objects: Objects,
+) -> None:
+    jobs = of_kind(overlay_objects, "Job")
+    assert jobs
+    for job in jobs:
+        template = job["spec"]["template"]
+        name = job["metadata"]["name"]
+        assert libpq_environment(template) == from_secret(SETUP_DB), name
+        assert secrets_of(template) == {SETUP_DB}, name
+
+
+def test_the_shared_settings_name_no_role(overlay_objects: Objects) -> None:
+    """A user in the DSN, or PGUSER in the ConfigMap every pod reads, would make the stream
+    and the Jobs one role again (a DSN's user wins over PGUSER)."""
+    config = named(overlay_objects, "ConfigMap", "cdc-relay")
+    assert config is not None
+    settings = config["data"]
+    assert "user" not in conninfo_to_dict(settings["CDC_RELAY_DSN"])
+    assert not [key for key in settings if key.startswith("PG")]
+
+
+def test_the_example_secrets_hold_two_roles_the_streams_from_roles_sql() -> None:
+    objects = objects_of(list(resource_files(OVERLAY)))
+    stream = named(objects, "Secret", STREAM_DB)
+    owner = named(objects, "Secret", SETUP_DB)
+    assert stream is not None and owner is not None
+    for secret in (stream, owner):
+        assert secret["type"] == "kubernetes.io/basic-auth"
+        assert set(secret["stringData"]) == {"username", "password"}
+    assert stream["stringData"]["username"] == role_of_roles_sql("stream_role")
+    others = {role_of_roles_sql("stream_role"), role_of_roles_sql("poller_role")}
+    assert owner["stringData"]["username"] not in others, "the owner is neither relay role"
+    assert stream["stringData"]["password"] != owner["stringData"]["password"]
