@@ -382,14 +382,26 @@ def reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> list[str]:
                     f"slot {each.slot} uses {slot['plugin']}; shards need pgoutput slots: "
                     "move to one first (setup-slot --plugin pgoutput, then stream it)"
                 )
-        for each in new.values():
-            if _one(conn, "slot", slot=each.slot) or _one(
-                conn, "publication", publication=each.publication
+        for shard, each in new.items():
+            if not (
+                _one(conn, "slot", slot=each.slot)
+                or _one(conn, "publication", publication=each.publication)
             ):
+                continue
+            comment = _one(conn, "publication_comment", publication=each.publication)
+            done = StartAfterCut.from_comment(comment.get("comment"), shard)
+            if done is not None and done.lsn is not None:
                 raise PreflightError(
-                    f"{each.slot} or its publication exists already, from an earlier reshard; "
-                    f"drop them (cdc-relay drop-slot --shards {after}) and run reshard again"
+                    f"the {after} shards exist and start after resharding cut {done.cut}, "
+                    f"written at {format_lsn(done.lsn)}: this reshard is done. Run their relays "
+                    f"(stream --shard K/{after}); do not drop them, they hold the events after "
+                    "the cut"
                 )
+            raise PreflightError(
+                f"{each.slot} or its publication exists already, from a reshard that stopped "
+                f"before writing its cut (no relay uses them): drop them (cdc-relay drop-slot "
+                f"--shards {after} --yes) and run reshard again"
+            )
     cut = StartAfterCut(str(uuid.uuid4()), None)
     for shard, each in new.items():
         report = setup(dsn, replace(each, comment=cut.comment(shard)))
