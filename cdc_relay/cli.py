@@ -521,7 +521,11 @@ def status_command(
         if require_active and not state["active"]:
             mine.append(f"no relay is streaming slot {spec.slot}")
         for key, limit, what in (
-            ("wal_retained_bytes", max_wal_retained, f"bytes of WAL retained by {spec.slot}"),
+            (
+                "wal_retained_bytes",
+                max_wal_retained,
+                "bytes of WAL retained" + ("" if shards is None else f" by {spec.slot}"),
+            ),
             ("unprocessed_rows", max_unprocessed, "unprocessed rows"),
             ("dead_letters", max_dead_letters, "dead letters"),
         ):

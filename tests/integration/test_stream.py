@@ -86,6 +86,9 @@ def test_broker_down_confirms_nothing_unacknowledged_and_delivers_after_restart(
     dsn = f"{outbox_db} options='-c wal_sender_timeout=2s'"
     env = relay_env(dsn, kafka_service.bootstrap, names)
     env["CDC_RELAY_KAFKA_CONFIG"] = "queue.buffering.max.messages=10"
+    # Restarted while the broker is down, the relay waits this long for it at start-up: more
+    # than a busy machine takes to start the broker again.
+    env["CDC_RELAY_KAFKA_TIMEOUT"] = "120"
     relay = RelayProcess(tmp_path, env)
     try:
         _broker_down(relay, outbox_db, kafka_service, names)
