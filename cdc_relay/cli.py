@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 import setproctitle
 
-from cdc_relay import __version__, cloudevents, logs, startup
+from cdc_relay import __version__, cloudevents, logs, schema, startup
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -41,7 +41,7 @@ from cdc_relay.poller import (
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.shards import MAX_SHARDS, Shard, every_shard
 from cdc_relay.sink import producer_config
-from cdc_relay.slot import SlotSpec, drop, reshard, setup, status
+from cdc_relay.slot import SlotSpec, connect, drop, reshard, setup, status
 from cdc_relay.stream import StreamRelay, StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -340,6 +340,12 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     help="Take over from cdc-relay poll (stopped first): create the slot with an exported "
     "snapshot and publish the rows still unprocessed in it; stream takes the rest.",
 )
+@_option(
+    "--create-table",
+    is_flag=True,
+    help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
+    "role of --dsn then owns it. --table must then name an outbox_events table.",
+)
 @kafka_options(required=False)
 def setup_slot(
     dsn: str,
@@ -351,6 +357,7 @@ def setup_slot(
     columns: tuple[str, ...],
     dry_run: bool,
     from_poller: bool,
+    create_table: bool,
     kafka_bootstrap: str | None,
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
@@ -364,7 +371,8 @@ def setup_slot(
 
     Safe to run again: what exists already is reported and left as it is. With
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
-    --shards N, one slot and publication per shard.
+    --shards N, one slot and publication per shard. With --create-table, a missing outbox
+    table is created first.
     """
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     specs = _specs(
@@ -394,11 +402,16 @@ def setup_slot(
             kafka_timeout=kafka_timeout,
             cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
         )
+        if create_table:
+            raise UsageError(
+                "--from-poller takes over from a poller, whose outbox table exists: drop "
+                "--create-table"
+            )
         for line in handover(settings, spec).lines:
             click.echo(line)
         return
     for each in specs:
-        report = setup(dsn, each, dry_run=dry_run)
+        report = setup(dsn, each, dry_run=dry_run, create_table=create_table)
         if dry_run:
             click.echo("-- preflight passed; setup-slot would run:")
             for statement in report.statements or ["-- nothing: everything exists"]:
@@ -407,6 +420,35 @@ def setup_slot(
             click.echo(f"exists: {line}")
         for line in report.done:
             click.echo(line)
+
+
+@cli.group("schema")
+def schema_group() -> None:
+    """The SQL the relays expect in the database, as this version of cdc-relay ships it."""
+
+
+@schema_group.command("show")
+@click.argument("name", type=click.Choice(list(schema.SCHEMAS)))
+def schema_show(name: str) -> None:
+    """Print schema NAME: outbox, poller, consumer or roles (a psql script)."""
+    click.echo(schema.text(name), nl=False)
+
+
+@schema_group.command("apply")
+@click.argument("name", type=click.Choice(list(schema.SCHEMAS)))
+@_DSN
+def schema_apply(name: str, dsn: str) -> None:
+    """Apply schema NAME (outbox, poller or consumer) to the database, in one transaction.
+
+    Idempotent: what exists is kept. outbox and poller are for the outbox's database, as
+    the role that owns (or is to own) the table; consumer for a consumer's database. roles
+    is a psql script: cdc-relay schema show roles | psql ... -f -
+    """
+    schema.applicable(name)
+    with connect(dsn) as conn:
+        schema.apply(conn, name)
+        where = conn.info.dbname
+    click.echo(f"applied schema {name} to database {where}: {schema.SCHEMAS[name]}")
 
 
 @cli.command("drop-slot")
@@ -619,7 +661,8 @@ def _count(value: int | None) -> str:
 @_option(
     "--dead-letter-topic",
     help="Keep events Kafka refuses for good (too large, not authorised, invalid for their "
-    "topic) in table cdc_relay_dead_letters (sql/outbox.sql) and send them here, with the "
+    "topic) in table cdc_relay_dead_letters (cdc-relay schema outbox) and send them here, "
+    "with the "
     "error in headers, and go on; without it the relay stops at such an event.",
 )
 @_option(
@@ -720,8 +763,8 @@ def stream(
     type=Seconds(0.05, 3600),
     default=5.0,
     show_default=True,
-    help="Seconds between claims when no notification comes (sql/poller.sql's trigger "
-    "wakes the poller at once).",
+    help="Seconds between claims when no notification comes (the trigger of cdc-relay "
+    "schema poller wakes the poller at once).",
 )
 @_option(
     "--max-attempts",

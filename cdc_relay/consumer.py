@@ -2,8 +2,8 @@
 
 The relay delivers at least once: after a crash, the events in flight are sent again. A
 consumer that changes a PostgreSQL database records each event id it handles in
-``processed_events`` (sql/consumer.sql) inside the same transaction as its own changes, so
-a redelivered event finds its id there and is skipped::
+``processed_events`` (cdc-relay schema apply consumer) inside the same transaction as its
+own changes, so a redelivered event finds its id there and is skipped::
 
     with psycopg.connect(dsn) as conn:
         for message in kafka_messages:

@@ -1,9 +1,9 @@
 """Dead letters of the stream: an event Kafka refused for good (``--dead-letter-topic``).
 
-Its whole content goes to the table ``cdc_relay_dead_letters`` (sql/outbox.sql) before the slot
-moves past it, then to the dead-letter topic: with the payload when the topic takes it, without
-when the payload is what Kafka refused. So no event's content exists nowhere, whatever the row
-or the logical message it came from becomes.
+Its whole content goes to the table ``cdc_relay_dead_letters`` (cdc-relay schema outbox) before
+the slot moves past it, then to the dead-letter topic: with the payload when the topic takes it,
+without when the payload is what Kafka refused. So no event's content exists nowhere, whatever
+the row or the logical message it came from becomes.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ class DeadLetters:
         if not row or not row["writable"]:
             raise PreflightError(
                 f"--dead-letter-topic keeps each dead letter's content in table {TABLE}, which "
-                "is missing or not writable by this role; apply sql/outbox.sql (and "
-                "sql/roles.sql for a least-privilege role)"
+                "is missing or not writable by this role; run cdc-relay schema apply outbox (and "
+                "grant what cdc-relay schema show roles grants, for a least-privilege role)"
             )
 
     def store(self, message: Message, err: KafkaError) -> None:

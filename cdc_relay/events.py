@@ -200,8 +200,8 @@ class RowMapper:
         if missing:
             raise SchemaError(
                 f"table {relation.qualified_name} has no column {', '.join(missing)}; "
-                "restore it (see sql/outbox.sql) or map yours with --column, then restart "
-                "the relay: it resumes after the last event Kafka acknowledged"
+                "restore it (see cdc-relay schema show outbox) or map yours with --column, "
+                "then restart the relay: it resumes after the last event Kafka acknowledged"
             )
         # A header column that is gone is optional: the header is left out.
         headers = tuple(
@@ -313,7 +313,7 @@ def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
     except (ValueError, RecursionError):
         raise SchemaError(
             f"logical message at {message.lsn:X} with prefix {message.prefix!r} is not JSON; "
-            "write it with outbox_emit() (sql/outbox.sql)"
+            "write it with outbox_emit() (cdc-relay schema outbox)"
         ) from None
     if not isinstance(envelope, dict):
         raise SchemaError(f"logical message at {message.lsn:X} is not a JSON object")
@@ -326,8 +326,8 @@ def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
             raise SchemaError(f"logical outbox message at {message.lsn:X} lacks a string {field!r}")
         return str(value)
 
-    # Version 2 (sql/outbox.sql) leaves the payload out when it is NULL, so that JSON null is
-    # the value null; before it, null stood for both.
+    # Version 2 (outbox_emit() of cdc-relay schema outbox) leaves the payload out when it is
+    # NULL, so that JSON null is the value null; before it, null stood for both.
     if str(envelope.get("v")) == "2":
         missing = "payload" not in envelope
     else:
@@ -338,7 +338,7 @@ def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
     except UnicodeEncodeError:  # a lone surrogate escape: not text PostgreSQL would store
         raise SchemaError(
             f"logical outbox message at {message.lsn:X} has a payload that is not valid "
-            "Unicode; write it with outbox_emit() (sql/outbox.sql)"
+            "Unicode; write it with outbox_emit() (cdc-relay schema outbox)"
         ) from None
     return OutboxEvent(
         id=str(text("id")),

@@ -36,7 +36,7 @@ def write_event(
 
     By default a row of ``table`` (which may be schema-qualified); with ``as_message`` a
     transactional logical decoding message with ``prefix`` (``outbox_emit()`` of
-    sql/outbox.sql), which stores nothing. ``payload`` is any JSON-serialisable value.
+    cdc-relay schema outbox), which stores nothing. ``payload`` is any JSON-serialisable value.
     Returns the event id, the consumers' deduplication key.
     """
     event_id = event_id or uuid.uuid4()

@@ -157,7 +157,7 @@ class Outbox:
 
     @property
     def channel(self) -> str:
-        """The NOTIFY channel of sql/poller.sql's trigger on this table."""
+        """The NOTIFY channel of the trigger of cdc-relay schema poller on this table."""
         return f"{self.table.schema}.{self.table.name}"
 
     @property
@@ -200,7 +200,7 @@ def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
         ) from None
     if found is None:
         raise PreflightError(
-            f"table {table} does not exist; create it with sql/outbox.sql, "
+            f"table {table} does not exist; create it with cdc-relay schema apply outbox, "
             "or name yours with --table"
         )
     payload = conn.execute(QUERIES["poll_payload"], {"oid": found.oid}).fetchone() or {}
@@ -218,7 +218,7 @@ def _check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> 
     if columns:
         raise PreflightError(
             f"table {outbox.qualified} has no column {', '.join(columns)}, which the poller "
-            "needs; add them as sql/outbox.sql does"
+            "needs; add them as cdc-relay schema show outbox does"
         )
 
 
@@ -256,9 +256,9 @@ def _refusal(exc: psycopg.DatabaseError, outbox: Outbox, doing: str) -> RelayErr
     """The one-line error for a database error the user must act on."""
     code = exc.sqlstate or ""
     if code == "42501":
-        remedy = "grant the role of --dsn what sql/roles.sql grants the poller"
+        remedy = "grant the role of --dsn what cdc-relay schema show roles grants the poller"
     elif code[:2] in ("42", "0A"):
-        remedy = f"make {outbox.qualified} as sql/outbox.sql does"
+        remedy = f"make {outbox.qualified} as cdc-relay schema show outbox does"
     elif code == "25006":
         remedy = "run it against the primary"
     elif _kind(exc) == _RETRY:
@@ -736,7 +736,7 @@ class PollRelay:
             if not (trigger.fetchone() or {}).get("present"):
                 log.warning(
                     "no trigger notifies the pollers of new rows in %s; new events wait up to "
-                    "--poll-interval (%gs): apply sql/poller.sql",
+                    "--poll-interval (%gs): run cdc-relay schema apply poller",
                     outbox.qualified,
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},

@@ -1,4 +1,4 @@
-"""Named SQL queries, loaded from ``sql/queries.sql``.
+"""Named SQL queries, loaded from ``cdc_relay/sql/queries.sql``.
 
 Each query starts with a ``-- name --`` line and a line of description. Queries that name
 database objects hold ``{placeholders}`` filled with :func:`psycopg.sql.Identifier`.

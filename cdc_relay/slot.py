@@ -6,7 +6,7 @@ import logging
 import re
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -14,6 +14,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from cdc_relay import schema
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -208,7 +209,8 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
     if not table:
         raise PreflightError(
             f"table {spec.table} does not exist in database {server['database']}; "
-            "create it with sql/outbox.sql, or name yours with --table"
+            "create it with cdc-relay schema apply outbox (or setup-slot --create-table), or "
+            "name yours with --table"
         )
     slot = _one(conn, "slot", slot=spec.slot)
     if not slot and server["slots_used"] >= server["max_slots"]:
@@ -231,11 +233,25 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
     return str(table["name"])
 
 
-def setup(dsn: str, spec: SlotSpec, dry_run: bool = False, create_slot: bool = True) -> SetupReport:
+def setup(
+    dsn: str,
+    spec: SlotSpec,
+    dry_run: bool = False,
+    create_slot: bool = True,
+    create_table: bool = False,
+) -> SetupReport:
     """Idempotently create the publication and (unless ``create_slot`` is False) the slot,
-    after preflight."""
+    after preflight; with ``create_table``, the outbox table first when it is missing."""
     report = SetupReport(done=[], existing=[], statements=[])
-    with connect(dsn) as conn:
+    with connect(dsn) as conn, ExitStack() as dry:
+        if create_table and not _one(conn, "table", table=spec.table):
+            target = schema.outbox_target(conn, spec.table)
+            if dry_run:  # made for the checks that follow, and rolled back
+                dry.enter_context(conn.transaction(force_rollback=True))
+            schema.apply(conn, "outbox", target)
+            report.statements.append(f"-- cdc-relay schema apply outbox, in schema {target}")
+            if not dry_run:
+                report.done.append(f"created table {spec.table} (cdc-relay schema outbox)")
         table = preflight(conn, spec)
         database = _one(conn, "server")["database"]
 

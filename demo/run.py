@@ -24,6 +24,7 @@ from confluent_kafka import Consumer
 sys.path.insert(0, str(Path(__file__).parent))
 from order_service import run as run_orders
 
+from cdc_relay import schema
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.devstack.postgres import LocalPostgres
 
@@ -91,7 +92,7 @@ def main() -> int:
                 conn.execute("CREATE DATABASE shop")
         dsn = pg.dsn_for("shop")
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute((ROOT / "sql" / "outbox.sql").read_text())
+            conn.execute(schema.text("outbox"))
             conn.execute((Path(__file__).parent / "schema.sql").read_text())
 
         env = {**os.environ, "CDC_RELAY_DSN": dsn, "CDC_RELAY_KAFKA_BOOTSTRAP": kafka.bootstrap}

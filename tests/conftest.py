@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol
 
 import psycopg
@@ -24,11 +23,10 @@ import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from cdc_relay import schema
 from cdc_relay.devstack import DevstackError
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.devstack.postgres import LocalPostgres, StopMode, find_bindir
-
-OUTBOX_SQL = Path(__file__).parents[1] / "sql" / "outbox.sql"
 
 
 class PostgresService(Protocol):
@@ -177,12 +175,23 @@ def _services_running_after_test(request: pytest.FixtureRequest) -> Iterator[Non
 @pytest.fixture
 def outbox_db(postgres_service: PostgresService) -> Iterator[str]:
     """The DSN of a new database holding the outbox schema; dropped with its slots afterwards."""
+    yield from _database(postgres_service, "outbox")
+
+
+@pytest.fixture
+def empty_db(postgres_service: PostgresService) -> Iterator[str]:
+    """The DSN of a new database without the outbox; dropped with its slots afterwards."""
+    yield from _database(postgres_service)
+
+
+def _database(postgres_service: PostgresService, *schemas: str) -> Iterator[str]:
     name = f"t_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(postgres_service.dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
     dsn = postgres_service.dsn_for(name)
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(OUTBOX_SQL.read_bytes())  # several statements: no parameters allowed
+        for each in schemas:
+            conn.execute(schema.text(each).encode())  # several statements: no parameters
     yield dsn
     if not postgres_service.running():  # this teardown runs before the autouse restart
         postgres_service.start()

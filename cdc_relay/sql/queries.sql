@@ -154,7 +154,7 @@ SELECT pg_drop_replication_slot(%(slot)s)
 DROP PUBLICATION IF EXISTS {publication}
 
 -- emit_event --
--- One outbox event as a transactional logical decoding message (sql/outbox.sql)
+-- One outbox event as a transactional logical decoding message (outbox_emit() of schema outbox)
 SELECT outbox_emit(%(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)s, %(id)s,
                    %(prefix)s)
 
@@ -185,7 +185,7 @@ SELECT array(
 ) AS missing
 
 -- poll_trigger --
--- Whether a trigger of sql/poller.sql notifies the pollers of new rows in the table
+-- Whether a trigger of schema poller notifies the pollers of new rows in the table
 SELECT EXISTS (
     SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
     WHERE t.tgrelid = %(oid)s::oid AND p.proname = 'outbox_events_notify'
@@ -195,7 +195,7 @@ SELECT EXISTS (
 LISTEN {channel}
 
 -- notify --
--- Wake the pollers (sql/poller.sql's trigger does the same on insert)
+-- Wake the pollers (schema poller's trigger does the same on insert)
 SELECT pg_notify(%(channel)s, '')
 
 -- claim_aggregates --
@@ -412,3 +412,18 @@ SELECT pg_try_advisory_lock(%(lock_class)s::int4, %(table)s::oid::int4) AS locke
 -- copy_slot --
 -- The handover's temporary slot copied to a permanent one, at the same position
 SELECT lsn::text AS lsn FROM pg_copy_logical_replication_slot(%(source)s, %(slot)s, false)
+
+-- The outbox schema (cdc_relay/schema.py): `cdc-relay schema apply`, `setup-slot --create-table`.
+
+-- schema_lock --
+-- Held while a schema is applied: two set-ups at once take turns instead of racing
+SELECT pg_advisory_xact_lock(hashtext('cdc_relay.schema'))
+
+-- schema_path --
+-- Make the schema's objects in this schema, until the transaction ends
+SELECT set_config('search_path', %(path)s, true)
+
+-- table_parts --
+-- A table name as PostgreSQL reads it (quotes, case), and the schema an unqualified one
+-- would be created in
+SELECT parse_ident(%(table)s) AS parts, current_schema() AS current

@@ -117,11 +117,11 @@ def test_postgres_has_logical_decoding_wal2json_and_the_outbox(compose: dict[str
     dockerfile = ROOT / postgres["build"]["context"] / postgres["build"]["dockerfile"]
     assert "wal2json" in dockerfile.read_text()
     mounts = dict(volume.split(":")[:2] for volume in postgres["volumes"])
-    assert mounts["./sql/outbox.sql"].startswith("/docker-entrypoint-initdb.d/")
+    assert mounts["./cdc_relay/sql/outbox.sql"].startswith("/docker-entrypoint-initdb.d/")
     for source in mounts:
         assert (ROOT / source).exists(), source
     # the outbox table before the demo's: the init scripts run in name order
-    assert sorted(mounts.values())[0] == mounts["./sql/outbox.sql"]
+    assert sorted(mounts.values())[0] == mounts["./cdc_relay/sql/outbox.sql"]
 
 
 def test_kafka_is_one_kraft_node_from_the_official_image(compose: dict[str, Any]) -> None:

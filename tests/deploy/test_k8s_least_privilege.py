@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 from deploytools import (
     OVERLAY,
-    ROOT,
     named,
     objects_of,
     of_kind,
@@ -20,6 +19,8 @@ from deploytools import (
 )
 from psycopg.conninfo import conninfo_to_dict
 
+from cdc_relay import schema
+
 pytestmark = pytest.mark.deploy
 
 Objects = list[dict[str, Any]]
@@ -28,10 +29,10 @@ SETUP_DB = "cdc-relay-setup-db"
 
 
 def role_of_roles_sql(variable: str) -> str:
-    """The default name sql/roles.sql gives a role (`\\set stream_role cdc_relay_stream`)."""
-    text = (ROOT / "sql" / "roles.sql").read_text()
+    """The default name schema roles gives a role (`\\set stream_role cdc_relay_stream`)."""
+    text = schema.text("roles")
     match = re.search(rf"^\s*\\set {variable} (\S+)$", text, re.M)
-    assert match, f"sql/roles.sql sets no {variable}"
+    assert match, f"schema roles sets no {variable}"
     return match[1]
 
 

@@ -26,7 +26,7 @@ from confluent_kafka.admin import (
     NewTopic,
 )
 
-from cdc_relay import pgoutput
+from cdc_relay import pgoutput, schema
 from cdc_relay.events import Insert
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.outbox import write_event
@@ -125,13 +125,10 @@ def setup_slot(
     setup(dsn, spec)
 
 
-POLLER_SQL = Path(__file__).parents[2] / "sql" / "poller.sql"
-
-
 def install_poller(dsn: str) -> None:
     """What ``cdc-relay poll`` adds to the outbox: the NOTIFY trigger, the dead-letter view."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(POLLER_SQL.read_bytes())  # several statements: no parameters allowed
+        conn.execute(schema.text("poller").encode())  # several statements: no parameters
 
 
 def slot_row(dsn: str, slot: str) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka import Consumer
 from relaytools import RelayProcess, Writer, relay_env, setup_slot
 
+from cdc_relay import schema
 from cdc_relay.consumer import first_time, handle
 
 pytestmark = pytest.mark.integration
@@ -45,7 +46,7 @@ def test_replayed_events_have_their_side_effect_once(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     with psycopg.connect(outbox_db, autocommit=True) as conn:
-        conn.execute((ROOT / "sql" / "consumer.sql").read_text())
+        conn.execute(schema.text("consumer"))
         conn.execute("CREATE TABLE ledger (event_id uuid, amount int)")
     setup_slot(outbox_db, names)
     relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
@@ -84,7 +85,7 @@ def json_amounts(messages: list[Any]) -> list[int]:
 
 def test_a_failed_handler_leaves_no_record_so_the_event_is_retried(outbox_db: str) -> None:
     with psycopg.connect(outbox_db, autocommit=True) as conn:
-        conn.execute((ROOT / "sql" / "consumer.sql").read_text())
+        conn.execute(schema.text("consumer"))
     event = uuid.uuid4()
     with psycopg.connect(outbox_db) as conn:
         with pytest.raises(RuntimeError), conn.transaction():

@@ -214,7 +214,8 @@ def test_schema_changes_are_followed_and_a_missing_required_column_stops_cleanly
         relay.close()
     assert relay.log().strip().splitlines()[-1] == (
         "cdc-relay: error: table public.outbox_events has no column event_type; restore it "
-        "(see sql/outbox.sql) or map yours with --column, then restart the relay: it resumes "
+        "(see cdc-relay schema show outbox) or map yours with --column, then restart the "
+        "relay: it resumes "
         "after the last event Kafka acknowledged"
     )
     # The broken row was not confirmed: it still waits in the slot.

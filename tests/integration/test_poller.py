@@ -34,8 +34,6 @@ from relaytools import (
 
 pytestmark = pytest.mark.integration
 
-SQL_DIR = Path(__file__).parents[2] / "sql"
-
 
 @pytest.fixture
 def poller_db(outbox_db: str) -> str:
@@ -476,8 +474,8 @@ def test_poll_start_errors_are_one_line(outbox_db: str, names: Any) -> None:
     missing = cli(*base, "--table", "no_such_table")
     assert missing.returncode == 1
     assert missing.stderr.strip() == (
-        "cdc-relay: error: table no_such_table does not exist; create it with sql/outbox.sql, "
-        "or name yours with --table"
+        "cdc-relay: error: table no_such_table does not exist; create it with cdc-relay schema "
+        "apply outbox, or name yours with --table"
     )
     # Each claim locks up to --batch-size aggregates in PostgreSQL's shared lock table.
     greedy = cli(*base, "--workers", "8", "--batch-size", "100000")
@@ -591,7 +589,7 @@ def test_a_table_changed_under_the_poller_stops_it_with_one_line_and_nothing_mar
         assert log.strip().splitlines()[-1] == (
             "cdc-relay: error: PostgreSQL refused the poller's query on public.outbox_events: "
             "column t.attempts does not exist (SQLSTATE 42703); make public.outbox_events as "
-            "sql/outbox.sql does, then run it again"
+            "cdc-relay schema show outbox does, then run it again"
         )
     else:
         assert log.strip().splitlines()[-1] == (
@@ -613,8 +611,8 @@ def _outbox_in_schema(dsn: str, schema: str) -> str:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
         conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(schema)))
-        conn.execute((SQL_DIR / "outbox.sql").read_bytes())
-        conn.execute((SQL_DIR / "poller.sql").read_bytes())
+        conn.execute(schema.text("outbox").encode())
+        conn.execute(schema.text("poller").encode())
     return make_conninfo(dsn, options=f"-csearch_path={schema}")
 
 

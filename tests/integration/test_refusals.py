@@ -743,7 +743,7 @@ def test_stream_dead_letters_exactly_the_culprit_and_goes_on(
 
 def _emit_transaction(dsn: str, events: list[tuple[str, str, Any, bool]]) -> list[Written]:
     """One transaction of events, each a row or (with True) a logical decoding message
-    written with outbox_emit() (sql/outbox.sql); what each is, as stored or as printed."""
+    written with outbox_emit() (schema outbox); what each is, as stored or as printed."""
     written = []
     with psycopg.connect(dsn) as conn, conn.transaction():
         for aggregate_type, aggregate_id, payload, as_message in events:

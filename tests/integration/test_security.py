@@ -42,6 +42,7 @@ from relaytools import (
     wait_until,
 )
 
+import cdc_relay
 from cdc_relay.devstack import LOOPBACK, DevstackError, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.devstack.postgres import LocalPostgres, find_bindir
@@ -49,7 +50,7 @@ from cdc_relay.replication import ConnectionLost, ReplicationConnection
 
 pytestmark = pytest.mark.integration
 
-SQL = Path(__file__).parents[2] / "sql"
+SQL = Path(cdc_relay.__file__).parent / "sql"  # the package's schema, as installed
 STREAM_ROLE = "cdc_relay_stream"
 POLLER_ROLE = "cdc_relay_poller"
 SCRAM_USER = "relay"

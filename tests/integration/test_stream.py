@@ -26,6 +26,7 @@ from relaytools import (
     wait_until,
 )
 
+from cdc_relay import schema
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
@@ -436,7 +437,7 @@ def test_a_database_not_encoded_in_utf8_is_refused_with_the_remedy(
     dsn = postgres_service.dsn_for(name)
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
-            conn.execute(Path(__file__).parents[2].joinpath("sql", "outbox.sql").read_bytes())
+            conn.execute(schema.text("outbox").encode())
         for command in ("setup-slot", "stream"):
             args = ["--dsn", dsn, "--slot", names.slot, "--kafka-bootstrap", "127.0.0.1:1"]
             done = subprocess.run(

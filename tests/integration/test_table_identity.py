@@ -23,11 +23,10 @@ from relaytools import (
     wait_until,
 )
 
+from cdc_relay import schema
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
-
-OUTBOX_SQL = Path(__file__).parents[2] / "sql" / "outbox.sql"
 
 
 def _relay(
@@ -178,7 +177,7 @@ def test_a_dropped_table_stops_the_relay_and_its_events_arrive_after_it_is_made_
         relay.close()
     _sql(
         outbox_db,
-        OUTBOX_SQL.read_text(),
+        schema.text("outbox"),
         f"ALTER PUBLICATION {names.publication} ADD TABLE outbox_events",
     )
     again = _relay(tmp_path, outbox_db, kafka_service, names, name="again").start()

@@ -1,5 +1,5 @@
--- What the polling relay (cdc-relay poll) adds to the outbox of sql/outbox.sql.
--- Apply once per database after it: psql "$DSN" -f sql/poller.sql (idempotent).
+-- What the polling relay (cdc-relay poll) adds to the outbox of schema outbox.
+-- Apply once per database after it (idempotent): cdc-relay schema apply poller --dsn "$DSN".
 -- The CDC relay (cdc-relay stream) needs none of it.
 
 -- Wake the pollers when events are written, instead of waiting for their poll interval.

@@ -1,5 +1,6 @@
 -- The transactional outbox, as cdc-relay expects it.
--- Apply once per database: psql "$DSN" -f sql/outbox.sql (idempotent).
+-- Apply once per database (idempotent): cdc-relay schema apply outbox --dsn "$DSN", or
+-- psql "$DSN" -f sql/outbox.sql in a checkout of the repository.
 -- An application inserts one row per event in the same transaction as its business change.
 
 CREATE TABLE IF NOT EXISTS outbox_events (

@@ -1,9 +1,10 @@
 -- Least-privilege roles for the relays: one for `cdc-relay stream`, one for `cdc-relay poll`.
 -- Run by a superuser (only superusers may give REPLICATION, before PostgreSQL 16), after
--- sql/outbox.sql (and sql/poller.sql if you poll), in the outbox's database; idempotent:
+-- schema outbox (and schema poller if you poll), in the outbox's database; idempotent:
 --
 --   export CDC_RELAY_STREAM_PASSWORD=... CDC_RELAY_POLLER_PASSWORD=...   # or leave them unset
---   psql "$ADMIN_DSN" -v ON_ERROR_STOP=1 -f sql/roles.sql
+--   cdc-relay schema show roles | psql "$ADMIN_DSN" -v ON_ERROR_STOP=1 -f -
+--   psql "$ADMIN_DSN" -v ON_ERROR_STOP=1 -f sql/roles.sql     # the same, in a checkout
 --
 -- Passwords come from those environment variables through psql's \getenv (psql 15 or newer),
 -- never from this file or psql's command line; when one is unset the role's password is left
@@ -16,7 +17,7 @@
 --   * the table's owner (or an administrator) runs `cdc-relay setup-slot` once: creating the
 --     publication needs ownership of the table, and the slot needs REPLICATION;
 --   * the stream role reads the slot: LOGIN, REPLICATION, SELECT on the outbox (and on
---     sql/poller.sql's dead-letter view, for `cdc-relay status`), nothing else;
+--     schema poller's dead-letter view, for `cdc-relay status`), nothing else;
 --   * the poller role claims, marks and prunes rows: SELECT, UPDATE of the four columns the
 --     poller changes, DELETE for `cdc-relay prune` (take DELETE out of the grant below if
 --     another job prunes); LISTEN and pg_notify() need no privilege.
@@ -81,14 +82,14 @@ SELECT format('GRANT UPDATE (processed_at, attempts, retry_after, last_error) ON
               :'outbox_table'::regclass, :'poller_role')
 \gexec
 
--- sql/poller.sql's dead-letter view (outbox columns both roles may read already), read by
+-- schema poller's dead-letter view (outbox columns both roles may read already), read by
 -- `cdc-relay status` and `cdc-relay dead-letters`.
 SELECT format('GRANT SELECT ON TABLE %s TO %I, %I',
               to_regclass('outbox_dead_letters'), :'stream_role', :'poller_role')
 WHERE to_regclass('outbox_dead_letters') IS NOT NULL
 \gexec
 
--- sql/outbox.sql's table of the events `stream --dead-letter-topic` dead-lettered: the stream
+-- schema outbox's table of the events `stream --dead-letter-topic` dead-lettered: the stream
 -- relay writes each one there, with its content, before it confirms the slot past it.
 SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',
               to_regclass('cdc_relay_dead_letters'), :'stream_role')

@@ -1,6 +1,7 @@
 -- For consumers: the ids of the events a consumer has handled, written in the same
 -- transaction as the consumer's own changes, so a redelivered event is skipped
--- (cdc_relay.consumer). Apply once per consumer database: psql "$DSN" -f sql/consumer.sql
+-- (cdc_relay.consumer). Apply once per consumer database (idempotent):
+-- cdc-relay schema apply consumer --dsn "$DSN"
 
 CREATE TABLE IF NOT EXISTS processed_events (
     consumer     text        NOT NULL,
