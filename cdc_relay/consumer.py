@@ -11,15 +11,17 @@ own changes, so a redelivered event finds its id there and is skipped::
 
     def apply_order(conn, message):
         conn.execute("INSERT INTO invoices ...")   # committed with the event id, or not at all
+
+``handle_async`` and ``first_time_async`` are the same for a psycopg ``AsyncConnection``.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from psycopg import Connection
+from psycopg import AsyncConnection, Connection
 
 from cdc_relay.queries import QUERIES
 
@@ -62,4 +64,29 @@ def handle(
         if not first_time(conn, event_id(message), consumer):
             return False
         apply(conn, message)
+    return True
+
+
+async def first_time_async(
+    conn: AsyncConnection[Any], event: uuid.UUID | str, consumer: str
+) -> bool:
+    """``first_time`` for an ``AsyncConnection``, in the caller's open transaction."""
+    cursor = await conn.execute(
+        QUERIES["claim_event"], {"consumer": consumer, "event_id": str(event)}
+    )
+    return await cursor.fetchone() is not None
+
+
+async def handle_async(
+    conn: AsyncConnection[Any],
+    message: KafkaMessage,
+    apply: Callable[[AsyncConnection[Any], KafkaMessage], Awaitable[None]],
+    consumer: str,
+) -> bool:
+    """``handle`` for an ``AsyncConnection``: await ``apply`` for ``message`` once per event
+    id, in one transaction with the record of it; return whether it ran."""
+    async with conn.transaction():
+        if not await first_time_async(conn, event_id(message), consumer):
+            return False
+        await apply(conn, message)
     return True
