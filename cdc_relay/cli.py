@@ -43,6 +43,7 @@ from cdc_relay.shards import MAX_SHARDS, Shard, every_shard
 from cdc_relay.sink import producer_config
 from cdc_relay.slot import SlotSpec, connect, drop, reshard, setup, status
 from cdc_relay.stream import StreamRelay, StreamSettings
+from cdc_relay.trace import TraceSettings, summary, trace
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
@@ -449,6 +450,90 @@ def schema_apply(name: str, dsn: str) -> None:
         schema.apply(conn, name)
         where = conn.info.dbname
     click.echo(f"applied schema {name} to database {where}: {schema.SCHEMAS[name]}")
+
+
+@cli.command("trace")
+@click.argument("event_id")
+@database_options
+@kafka_options()
+@_option(
+    "--message-prefix",
+    default="outbox",
+    show_default=True,
+    help="Prefix of pg_logical_emit_message() messages that carry events.",
+)
+@click.option(
+    "--max-changes",
+    type=click.IntRange(1),
+    default=100_000,
+    show_default=True,
+    help="Changes the slot has not confirmed to read at most, looking for the event.",
+)
+@click.option(
+    "--max-messages",
+    type=click.IntRange(1),
+    default=10_000,
+    show_default=True,
+    help="Messages to scan at most per partition, from the event's time on.",
+)
+@click.option(
+    "--clock-skew",
+    type=Seconds(0, 86400),
+    default=60.0,
+    show_default=True,
+    help="Seconds to look back on Kafka before the event's time (clocks differ).",
+)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
+def trace_command(
+    event_id: str,
+    dsn: str,
+    slot: str,
+    publication: str,
+    table: str,
+    kafka_bootstrap: str,
+    kafka_config: tuple[str, ...],
+    kafka_config_file: Path | None,
+    topic_template: str,
+    kafka_timeout: float,
+    message_prefix: str,
+    max_changes: int,
+    max_messages: int,
+    clock_skew: float,
+    as_json: bool,
+    **_: Any,
+) -> None:
+    """Say where event EVENT_ID is: its row, the slot, the poller, Kafka.
+
+    The row (or that there is none), whether it committed, whether the slot's confirmed
+    position has passed its commit (stream) or the poller marked it (poll), and the topic,
+    partition and offset where it landed, found without reading whole topics. Exit 0 when it
+    is on Kafka, 3 when not (yet), with the reason.
+    """
+    settings = TraceSettings(
+        dsn=dsn,
+        slot=slot,
+        publication=publication,
+        table=table,
+        message_prefix=message_prefix,
+        kafka={
+            **kafka_settings(kafka_config, kafka_config_file),
+            "bootstrap.servers": kafka_bootstrap,
+        },
+        topic_template=topic_template,
+        kafka_timeout=kafka_timeout,
+        max_changes=max_changes,
+        max_messages=max_messages,
+        clock_skew=clock_skew,
+    )
+    found = trace(settings, event_id)
+    if as_json:
+        click.echo(json.dumps(found.as_json()))
+    else:
+        for name, value in summary(found):
+            click.echo(f"{name:<13} {value}")
+        click.echo(found.answer)
+    if not found.on_kafka:
+        sys.exit(3)
 
 
 @cli.command("drop-slot")

@@ -427,3 +427,37 @@ SELECT set_config('search_path', %(path)s, true)
 -- A table name as PostgreSQL reads it (quotes, case), and the schema an unqualified one
 -- would be created in
 SELECT parse_ident(%(table)s) AS parts, current_schema() AS current
+
+-- `cdc-relay trace` (cdc_relay/trace.py): where one event is; reads only.
+
+-- trace_row --
+-- One outbox row by id, all its columns as JSON; its commit time when PostgreSQL keeps them
+-- (track_commit_timestamp = on), and its created_at
+SELECT to_jsonb(t) AS row,
+       CASE WHEN current_setting('track_commit_timestamp')::bool
+            THEN pg_xact_commit_timestamp(t.xmin) END AS commit_time,
+       (to_jsonb(t) ->> 'created_at')::timestamptz AS created_at
+FROM {table} AS t
+WHERE t.id = %(id)s::uuid
+
+-- trace_dead_letters --
+-- Whether the stream's dead-letter table exists and this role may read it
+SELECT to_regclass('cdc_relay_dead_letters') IS NOT NULL
+       AND has_table_privilege('cdc_relay_dead_letters', 'SELECT') AS present
+
+-- trace_dead_letter --
+-- The event in the stream's dead-letter table
+SELECT topic, key, error_code, error, commit_lsn::text AS commit_lsn, slot, dead_at
+FROM cdc_relay_dead_letters
+WHERE event_id = %(id)s
+
+-- trace_copy_slot --
+-- A temporary copy of the slot at its position (dropped with the session at the latest):
+-- reading it leaves the slot, and a relay streaming it, as they are
+SELECT lsn::text AS lsn FROM pg_copy_logical_replication_slot(%(slot)s, %(copy)s, true)
+
+-- trace_peek --
+-- The changes of committed transactions the slot copy has not confirmed, oldest first, read
+-- without consuming them; stops after the transaction in which `limit` changes are reached
+SELECT data
+FROM pg_logical_slot_peek_binary_changes(%(slot)s, NULL, %(limit)s, VARIADIC %(options)s::text[])

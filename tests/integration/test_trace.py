@@ -1,0 +1,208 @@
+"""``cdc-relay trace`` against the real services: the partition the producer really chose,
+an event before and after the stream relay, a message, the poller's marks and dead letters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from confluent_kafka import Producer
+from relaytools import (
+    RelayProcess,
+    consume,
+    create_topics,
+    install_poller,
+    relay_env,
+    setup_slot,
+    wait_until,
+)
+
+from cdc_relay.outbox import write_event
+from cdc_relay.sink import producer_config
+from cdc_relay.trace import partition_of
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_partition_computed_is_the_one_the_relays_producer_chooses(
+    kafka_service: Any, names: Any
+) -> None:
+    topic = f"{names.topic_prefix}.keys"
+    create_topics(kafka_service.bootstrap, {topic: {}}, partitions=7)
+    producer = Producer(producer_config(kafka_service.bootstrap, {}))
+    keys = [b"", b"a", b"42", "Zürich-ü".encode(), *(f"order-{n}".encode() for n in range(200))]
+    keys.append(bytes(range(256)))
+    chosen: dict[bytes, int] = {}
+
+    def report(err: Any, message: Any) -> None:
+        assert err is None, err
+        chosen[message.key()] = message.partition()
+
+    for key in keys:
+        producer.produce(topic, key=key, value=b"v", on_delivery=report)
+    assert producer.flush(60) == 0
+    assert len(set(chosen.values())) == 7  # every partition was chosen for some key
+    assert {key: partition_of(key, 7) for key in keys} == chosen
+
+
+def trace(dsn: str, bootstrap: str, names: Any, event: str, *more: str) -> tuple[int, Any]:
+    ran = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "trace", event, "--json", *more],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **relay_env(dsn, bootstrap, names)},
+    )
+    assert ran.stderr == "", ran.stderr
+    return ran.returncode, json.loads(ran.stdout)
+
+
+def write(dsn: str, as_message: bool = False, key: str = "1") -> str:
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        return str(
+            write_event(
+                conn,
+                aggregate_type="order",
+                aggregate_id=key,
+                event_type="order.created",
+                payload={"key": key},
+                as_message=as_message,
+            )
+        )
+
+
+def test_trace_follows_an_event_from_the_slot_to_kafka(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    bootstrap = kafka_service.bootstrap
+    setup_slot(outbox_db, names)
+    topic = f"{names.topic_prefix}.order"
+    create_topics(bootstrap, {topic: {"message.timestamp.type": "LogAppendTime"}}, partitions=5)
+    row, message = write(outbox_db, key="k-1"), write(outbox_db, as_message=True, key="k-2")
+
+    # No relay yet: committed, after the slot's confirmed position, the slot inactive.
+    code, found = trace(outbox_db, bootstrap, names, row)
+    assert code == 3
+    assert found["committed"] is True
+    assert found["row"]["aggregate_id"] == "k-1"
+    assert found["pending"]["form"] == "row"
+    assert found["confirmed_past_commit"] is False
+    assert found["answer"].startswith(
+        f"not on Kafka yet: committed at {found['pending']['commit_lsn']}"
+    )
+    assert found["answer"].endswith(
+        "no relay is streaming the slot (inactive): start cdc-relay stream"
+    )
+    code, found = trace(outbox_db, bootstrap, names, message)
+    assert code == 3
+    assert found["row"] is None
+    assert found["pending"]["form"] == "message"
+    assert found["pending"]["aggregate_id"] == "k-2"
+
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, bootstrap, names)).start()
+    try:
+        received = {r.id: r for r in consume(bootstrap, names.topic_prefix, 2, settle=0.5)}
+        # While the relay streams the slot: read through a copy, the relay undisturbed.
+        code, found = trace(outbox_db, bootstrap, names, row)
+        assert code == 0, found
+        assert relay.alive()
+        assert relay.stop() == 0  # confirms everything
+    finally:
+        relay.close()
+    landed = received[row]
+    assert found["kafka"]["found"] == {
+        "topic": topic,
+        "partition": landed.partition,
+        "offset": landed.offset,
+        "timestamp": found["kafka"]["found"]["timestamp"],
+        "timestamp_type": "LogAppendTime",
+    }
+    assert landed.partition == partition_of(b"k-1", 5)
+    assert found["kafka"]["partitions"] == [landed.partition]  # one partition, not the topic
+    assert 0 <= found["latency_seconds"] < 60
+    assert found["answer"].startswith(
+        f"on Kafka: {topic} partition {landed.partition} offset {landed.offset}, appended "
+    )
+    code, found = trace(outbox_db, bootstrap, names, row)
+    assert code == 0
+    assert found["confirmed_past_commit"] is True
+    assert found["pending"] is None
+    # A message the slot has passed leaves nothing in the database to find it by.
+    code, found = trace(outbox_db, bootstrap, names, message)
+    assert code == 3
+    assert found["answer"].startswith("not found: no row with this id")
+    # Lines for people, the same facts.
+    text = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "trace", row],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **relay_env(outbox_db, bootstrap, names)},
+    )
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == f"event         {row}"
+    assert f"kafka         {topic} [{landed.partition}] @ {landed.offset}, LogAppendTime " in (
+        text.stdout
+    )
+    assert lines[-1].startswith("on Kafka: ")
+
+
+def test_trace_tells_what_the_poller_did(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    bootstrap = kafka_service.bootstrap
+    install_poller(outbox_db)
+    delivered = write(outbox_db)
+    with psycopg.connect(outbox_db) as conn, conn.transaction():  # given up on before it ran
+        dead = str(
+            write_event(
+                conn,
+                aggregate_type="order",
+                aggregate_id="9",
+                event_type="order.created",
+                payload={},
+            )
+        )
+        conn.execute(
+            "UPDATE outbox_events SET attempts = 10, last_error = 'MSG_SIZE_TOO_LARGE', "
+            "retry_after = 'infinity' WHERE id = %s",
+            [dead],
+        )
+    code, found = trace(outbox_db, bootstrap, names, delivered)
+    assert code == 3
+    assert found["slot"] is None
+    assert found["answer"].startswith("not on Kafka yet")
+
+    relay = RelayProcess(
+        tmp_path, relay_env(outbox_db, bootstrap, names, poll_interval="0.2"), command="poll"
+    ).start()
+    try:
+        wait_until(
+            lambda: trace(outbox_db, bootstrap, names, delivered)[1]["row"]["processed_at"],
+            60,
+            "the poller to mark the row",
+        )
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    code, found = trace(outbox_db, bootstrap, names, delivered)
+    assert code == 0, found
+    assert found["kafka"]["found"]["topic"] == f"{names.topic_prefix}.order"
+    assert found["commit_time_source"] == "created_at"  # track_commit_timestamp is off
+    code, found = trace(outbox_db, bootstrap, names, dead)
+    assert code == 3
+    assert found["answer"] == (
+        "dead letter of poll: the poller gave up after 10 attempts (MSG_SIZE_TOO_LARGE); fix "
+        f"the cause, then cdc-relay dead-letters retry --id {dead}"
+    )
+    code, found = trace(outbox_db, bootstrap, names, str(uuid.uuid4()))
+    assert code == 3
+    assert found["row"] is None
