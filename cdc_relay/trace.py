@@ -9,6 +9,7 @@ streaming the slot is not disturbed.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -42,7 +43,7 @@ from cdc_relay.events import (
 from cdc_relay.lsn import format_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.routing import legal_topic
-from cdc_relay.slot import connect, find_table
+from cdc_relay.slot import OutboxTable, connect, find_table
 
 # -- where librdkafka's murmur2_random puts a key -----------------------------------------------
 
@@ -150,6 +151,8 @@ def _jsonable(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, uuid.UUID):
         return str(value)
+    if isinstance(value, bytes | memoryview):  # a dead letter's key
+        return bytes(value).decode(errors="backslashreplace")
     return value
 
 
@@ -227,7 +230,7 @@ def _unconfirmed(
     conn: psycopg.Connection[dict[str, Any]],
     settings: TraceSettings,
     plugin: str,
-    table: Any,
+    table: OutboxTable,
     result: Trace,
 ) -> tuple[Pending | None, bool]:
     """The event among the slot's unconfirmed changes, read from a temporary copy of the slot
@@ -262,7 +265,7 @@ def _unconfirmed(
         records = (record for row in rows for record in decoder.decode(bytes(row["data"])))
     else:
         records = (pgoutput.decode(bytes(row["data"])) for row in rows)
-    for form, event in _events(records, table.oid, settings.message_prefix):
+    for form, event in _events(records, table, settings.message_prefix):
         if event.id == result.event_id:
             pending = Pending(
                 form,
@@ -276,19 +279,24 @@ def _unconfirmed(
     return None, complete
 
 
-def _events(records: Iterator[Record], oid: int, prefix: str) -> Iterator[tuple[str, OutboxEvent]]:
-    """The outbox events among decoded records: the table's rows and the prefix's messages."""
+def _events(
+    records: Iterator[Record], table: OutboxTable, prefix: str
+) -> Iterator[tuple[str, OutboxEvent]]:
+    """The outbox events among decoded records: the table's rows and the prefix's messages.
+    The table is known by its OID (pgoutput) or its name (wal2json, which sends no OID)."""
     begin: Begin | None = None
     mappers: dict[int, RowMapper] = {}
     for record in records:
         if isinstance(record, Begin):
             begin = record
         elif isinstance(record, Relation):
-            if record.relid == oid:
-                try:
-                    mappers[oid] = RowMapper.for_relation(record)
-                except SchemaError:
-                    mappers.pop(oid, None)
+            mappers.pop(record.relid, None)
+            if record.relid == table.oid or (record.namespace, record.name) == (
+                table.schema,
+                table.name,
+            ):
+                with contextlib.suppress(SchemaError):  # a column it needs is gone
+                    mappers[record.relid] = RowMapper.for_relation(record)
         elif isinstance(record, Insert) and begin is not None and record.relid in mappers:
             try:
                 yield "row", mappers[record.relid].event(record, begin)

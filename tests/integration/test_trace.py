@@ -206,3 +206,34 @@ def test_trace_tells_what_the_poller_did(
     code, found = trace(outbox_db, bootstrap, names, str(uuid.uuid4()))
     assert code == 3
     assert found["row"] is None
+
+
+def test_trace_reads_a_wal2json_slot_and_the_streams_dead_letters(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    bootstrap = kafka_service.bootstrap
+    setup_slot(outbox_db, names, plugin="wal2json")
+    row, message = write(outbox_db, key="w-1"), write(outbox_db, as_message=True, key="w-2")
+    for event, form in ((row, "row"), (message, "message")):
+        code, found = trace(outbox_db, bootstrap, names, event)
+        assert code == 3
+        assert found["pending"]["form"] == form
+        assert found["slot"]["plugin"] == "wal2json"
+    # What stream --dead-letter-topic keeps of an event Kafka refused for good.
+    refused = str(uuid.uuid4())
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO cdc_relay_dead_letters (event_id, topic, key, value, headers, "
+            "error_code, error, commit_lsn, slot) VALUES (%s, 'outbox.event.order', 'k', "
+            "'{}', '{}', 'MSG_SIZE_TOO_LARGE', 'Broker: Message size too large', '0/1', %s)",
+            [refused, names.slot],
+        )
+    code, found = trace(outbox_db, bootstrap, names, refused)
+    assert code == 3
+    assert found["dead_letter"]["key"] == "k"
+    assert found["answer"].startswith("dead letter of stream since ")
+    assert found["answer"].endswith(
+        "Kafka refused it for outbox.event.order (MSG_SIZE_TOO_LARGE: Broker: Message size too "
+        "large); its content is in table cdc_relay_dead_letters and was sent to the dead-letter "
+        "topic"
+    )
