@@ -434,31 +434,31 @@ def _scan_partition(
             f"{search.since}; scanned the first {settings.max_messages} (--max-messages)"
         )
     while True:
-        messages = consumer.consume(500, timeout=settings.kafka_timeout)
-        if not messages:
+        # poll, not consume(n): a batch waits for n messages, or for the whole timeout
+        message = consumer.poll(settings.kafka_timeout)
+        if message is None:
             search.problem = f"partition {start.partition} did not answer in time"
             return None
-        for message in messages:
-            error = message.error()
-            if error is not None:
-                if error.code() == KafkaError._PARTITION_EOF:
-                    return None
-                raise KafkaException(error)
-            search.scanned += 1
-            headers = message.headers() or []
-            if ("id", wanted) in (headers.items() if isinstance(headers, dict) else headers):
-                kind, milliseconds = message.timestamp()
-                return Found(
-                    str(message.topic()),
-                    int(message.partition() or 0),
-                    int(message.offset() or 0),
-                    None
-                    if kind == TIMESTAMP_NOT_AVAILABLE
-                    else dt.datetime.fromtimestamp(milliseconds / 1000, dt.UTC),
-                    "LogAppendTime" if kind == TIMESTAMP_LOG_APPEND_TIME else "CreateTime",
-                )
-            if (message.offset() or 0) >= last:
+        error = message.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
                 return None
+            raise KafkaException(error)
+        search.scanned += 1
+        headers = message.headers() or []
+        if ("id", wanted) in (headers.items() if isinstance(headers, dict) else headers):
+            kind, milliseconds = message.timestamp()
+            return Found(
+                str(message.topic()),
+                int(message.partition() or 0),
+                int(message.offset() or 0),
+                None
+                if kind == TIMESTAMP_NOT_AVAILABLE
+                else dt.datetime.fromtimestamp(milliseconds / 1000, dt.UTC),
+                "LogAppendTime" if kind == TIMESTAMP_LOG_APPEND_TIME else "CreateTime",
+            )
+        if (message.offset() or 0) >= last:
+            return None
 
 
 # -- the answer ------------------------------------------------------------------------------
@@ -583,6 +583,10 @@ def summary(t: Trace) -> Sequence[tuple[str, str]]:
                 f"{found.timestamp_type} {when}",
             )
         )
+    elif t.kafka.topic is None:
+        lines.append(("kafka", f"not looked: {t.kafka.problem}"))
+    elif not t.kafka.partitions:
+        lines.append(("kafka", f"not looked in {t.kafka.topic}: {t.kafka.problem}"))
     elif t.kafka.topic is not None:
         lines.append(
             (
