@@ -346,7 +346,8 @@ def _kafka(settings: TraceSettings, result: Trace) -> None:
                 f"no Kafka broker answered within {settings.kafka_timeout:g}s "
                 f"({error.str()}); check --kafka-bootstrap"
             ) from None
-        raise
+        # e.g. a topic the relay has just created, whose partitions have no leader yet
+        search.problem = f"Kafka answered {error.str() if error is not None else exc}"
     finally:
         consumer.close()
     if search.found is not None:

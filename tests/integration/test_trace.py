@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -236,4 +237,30 @@ def test_trace_reads_a_wal2json_slot_and_the_streams_dead_letters(
         "Kafka refused it for outbox.event.order (MSG_SIZE_TOO_LARGE: Broker: Message size too "
         "large); its content is in table cdc_relay_dead_letters and was sent to the dead-letter "
         "topic"
+    )
+
+
+def test_trace_says_the_relay_is_behind_when_it_streams_the_slot_without_confirming(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    bootstrap = kafka_service.bootstrap
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, bootstrap, names)).start()
+    try:
+        first = write(outbox_db)
+        wait_until(lambda: trace(outbox_db, bootstrap, names, first)[0] == 0, 60, "the relay")
+        relay.signal(signal.SIGSTOP)  # a frozen relay: it holds the slot, confirms nothing
+        try:
+            event = write(outbox_db)
+            code, found = trace(outbox_db, bootstrap, names, event)
+        finally:
+            relay.signal(signal.SIGCONT)
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    assert code == 3
+    assert found["slot"]["active"] is True
+    assert found["answer"].endswith(
+        f"; the relay (pid {found['slot']['active_pid']}) is behind, or waits for Kafka's "
+        "acknowledgement"
     )
