@@ -282,7 +282,9 @@ RETURNING id::text AS id
 SELECT now() - %(age)s::interval AS before
 
 -- prune --
--- Delete up to `limit` processed rows older than the cut-off, oldest first
+-- Delete up to `limit` processed rows older than the cut-off, oldest first. The condition is
+-- checked again on each row the DELETE reaches by ctid: a ctid names a row of one table, and
+-- each partition of a partitioned outbox has rows at the same ctids.
 DELETE FROM {table}
 WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {table}
@@ -290,6 +292,7 @@ WHERE ctid = ANY(ARRAY(
     ORDER BY processed_at
     LIMIT %(limit)s
 ))
+  AND processed_at < %(before)s
 
 -- pollers --
 -- Other sessions holding the advisory lock of the outbox table (poll_lock): pollers hold it
