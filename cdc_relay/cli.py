@@ -34,9 +34,9 @@ from cdc_relay.poller import (
     PollSettings,
     dead_letters,
     handover,
-    prune,
     retry_dead_letters,
 )
+from cdc_relay.prune import prune_processed
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.sink import producer_config
 from cdc_relay.slot import SlotSpec, drop, setup, status
@@ -745,10 +745,10 @@ def prune_command(dsn: str, table: str, older_than: timedelta, batch_size: int) 
 
     Unprocessed rows and dead letters are never deleted.
     """
-    deleted, cutoff = prune(dsn, table, older_than, batch_size)
+    pruned = prune_processed(dsn, table, older_than, batch_size)
     click.echo(
-        f"pruned {deleted} processed row{'' if deleted == 1 else 's'} "
-        f"(processed before {cutoff.isoformat(timespec='seconds')})"
+        f"pruned {pruned.deleted} processed row{'' if pruned.deleted == 1 else 's'} "
+        f"(processed before {pruned.cutoff.isoformat(timespec='seconds')})"
     )
 
 
