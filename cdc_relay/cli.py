@@ -28,6 +28,7 @@ from cdc_relay.config import (
 )
 from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.events import OutboxLayout
+from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
 from cdc_relay.poller import (
     PollRelay,
@@ -36,7 +37,7 @@ from cdc_relay.poller import (
     handover,
     retry_dead_letters,
 )
-from cdc_relay.prune import prune_processed
+from cdc_relay.prune import prune_confirmed, prune_processed
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.sink import producer_config
 from cdc_relay.slot import SlotSpec, drop, setup, status
@@ -729,7 +730,23 @@ def _age(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
     required=True,
     metavar="AGE",
     callback=_age,
-    help="Delete rows processed longer ago than this: 90s, 30m, 12h, 7d, 2w (at most 100 years).",
+    help="Delete rows processed (with --slot: created) longer ago than this: 90s, 30m, 12h, "
+    "7d, 2w (at most 100 years).",
+)
+@click.option(
+    "--slot",
+    metavar="SLOT",
+    envvar="CDC_RELAY_PRUNE_SLOT",
+    show_envvar=True,
+    help="For an outbox cdc-relay stream relays: the slot it reads. Rows go once the slot has "
+    "confirmed their transaction, whatever their processed_at.",
+)
+@_option(
+    "--publication",
+    default=DEFAULT_PUBLICATION,
+    show_default=True,
+    help="With --slot (pgoutput): the publication cdc-relay stream reads, which must cover "
+    "the table.",
 )
 @click.option(
     "--batch-size",
@@ -740,15 +757,44 @@ def _age(ctx: click.Context, param: click.Parameter, value: str) -> timedelta:
     show_envvar=True,
     help="Rows deleted per transaction.",
 )
-def prune_command(dsn: str, table: str, older_than: timedelta, batch_size: int) -> None:
-    """Delete processed rows of the outbox, in batches, oldest first.
+@click.option(
+    "--wait",
+    type=Seconds(0, 3600),
+    default=30.0,
+    show_default=True,
+    envvar="CDC_RELAY_PRUNE_WAIT",
+    show_envvar=True,
+    help="With --slot: seconds to wait for the slot to confirm the WAL position the prune "
+    "starts at; if it does not, nothing is deleted (exit 1).",
+)
+def prune_command(
+    dsn: str,
+    table: str,
+    older_than: timedelta,
+    slot: str | None,
+    publication: str,
+    batch_size: int,
+    wait: float,
+) -> None:
+    """Delete old rows of the outbox whose events are on Kafka, in batches.
 
-    Unprocessed rows and dead letters are never deleted.
+    Without --slot: rows the poller processed, oldest first; unprocessed rows and dead
+    letters are never deleted. With --slot: rows whose transaction the slot has confirmed
+    (README.md, "Pruning a stream outbox"); rows of transactions the slot has not confirmed,
+    or still open, are never deleted.
     """
-    pruned = prune_processed(dsn, table, older_than, batch_size)
+    if slot is None:
+        pruned = prune_processed(dsn, table, older_than, batch_size)
+        click.echo(
+            f"pruned {pruned.deleted} processed row{'' if pruned.deleted == 1 else 's'} "
+            f"(processed before {pruned.cutoff.isoformat(timespec='seconds')})"
+        )
+        return
+    pruned = prune_confirmed(dsn, table, slot, publication, older_than, batch_size, wait)
     click.echo(
-        f"pruned {pruned.deleted} processed row{'' if pruned.deleted == 1 else 's'} "
-        f"(processed before {pruned.cutoff.isoformat(timespec='seconds')})"
+        f"pruned {pruned.deleted} confirmed row{'' if pruned.deleted == 1 else 's'} "
+        f"(created before {pruned.cutoff.isoformat(timespec='seconds')}; slot {slot} "
+        f"confirmed up to {format_lsn(pruned.confirmed or 0)})"
     )
 
 

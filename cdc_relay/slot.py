@@ -265,6 +265,49 @@ def _check_slot(spec: SlotSpec, database: str, slot: dict[str, Any]) -> None:
         )
 
 
+def slot_problem(slot: dict[str, Any] | None, name: str, database: str) -> str | None:
+    """Why the slot ``name`` (its row of queries.sql's ``slot``, None when missing) cannot
+    vouch for the rows of an outbox in ``database``, with the remedy; None when it can."""
+    remedy = "pass --slot the slot that cdc-relay stream reads"
+    if slot is None:
+        return f"replication slot {name} does not exist; {remedy}"
+    if slot["slot_type"] != "logical":
+        return f"slot {name} is a {slot['slot_type']} slot, which relays no events; {remedy}"
+    if slot["database"] != database:
+        return (
+            f"slot {name} belongs to database {slot['database']}, not {database}: it relays "
+            f"that database's events; {remedy} in {database}, or connect to {slot['database']}"
+        )
+    if slot["plugin"] not in PLUGINS:
+        return (
+            f"slot {name} decodes with {slot['plugin']}, which cdc-relay stream does not "
+            f"read; {remedy} ({' or '.join(PLUGINS)})"
+        )
+    return None
+
+
+def relay_problem(
+    conn: psycopg.Connection[dict[str, Any]],
+    plugin: str,
+    slot: str,
+    publication: str,
+    table: OutboxTable,
+) -> str | None:
+    """Why the slot ``slot``, of ``plugin`` (one the relay reads), relays no rows of ``table``
+    (``stream`` refuses it so), with the remedy; None when it does."""
+    if plugin == "pgoutput":
+        problem = coverage_problem(conn, publication, table)
+        if problem is None:
+            return None
+        return f"{problem} (--publication names the one cdc-relay stream reads)"
+    if table.partitioned:
+        return (
+            f"{table.qualified} is partitioned, and wal2json names each row by its partition, "
+            f"so slot {slot} relays none of them; use a pgoutput slot"
+        )
+    return None
+
+
 def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, Any]:
     """The slot's state and the outbox's counts, for ``cdc-relay status``."""
     with connect(dsn) as conn:
