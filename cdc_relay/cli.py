@@ -351,9 +351,23 @@ def drop_slot(dsn: str, slot: str, publication: str, table: str, yes: bool) -> N
     "--max-unprocessed", type=int, metavar="N", help="Exit 3 above N unprocessed rows (poller)."
 )
 @click.option(
+    "--max-unconfirmed",
+    type=int,
+    metavar="N",
+    help="Exit 3 above N rows the slot has not confirmed (stream), or when it cannot tell.",
+)
+@click.option(
     "--max-dead-letters", type=int, metavar="N", help="Exit 3 above N dead letters (poller)."
 )
 @click.option("--require-active", is_flag=True, help="Exit 3 when no relay streams the slot.")
+@click.option(
+    "--wait",
+    type=Seconds(0, 3600),
+    default=5.0,
+    show_default=True,
+    help="Seconds to wait for the slot to confirm the WAL position status starts at, to tell "
+    "confirmed rows from unconfirmed ones (stream).",
+)
 def status_command(
     dsn: str,
     slot: str,
@@ -362,24 +376,32 @@ def status_command(
     as_json: bool,
     max_wal_retained: int | None,
     max_unprocessed: int | None,
+    max_unconfirmed: int | None,
     max_dead_letters: int | None,
     require_active: bool,
+    wait: float,
 ) -> None:
     """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
 
-    With thresholds it is a check for scripts and cron: exit 3 when one is crossed.
+    A stream outbox's rows are told apart: confirmed by the slot (on Kafka) or not yet. With
+    thresholds it is a check for scripts and cron: exit 3 when one is crossed.
     """
-    state = status(dsn, slot, table, publication)
+    state = status(dsn, slot, table, publication, wait)
     alerts = []
     if not state["exists"]:
         alerts.append(f"slot {slot} does not exist")
+    if state["slot_problem"]:
+        alerts.append(state["slot_problem"])
     if state["publication_problem"]:
         alerts.append(state["publication_problem"])
     if require_active and not state["active"]:
         alerts.append(f"no relay is streaming slot {slot}")
+    if max_unconfirmed is not None and state["confirmed_rows_unknown"]:
+        alerts.append(f"cannot tell unconfirmed rows: {state['confirmed_rows_unknown']}")
     for key, limit, what in (
         ("wal_retained_bytes", max_wal_retained, "bytes of WAL retained"),
         ("unprocessed_rows", max_unprocessed, "unprocessed rows"),
+        ("unconfirmed_rows", max_unconfirmed, "unconfirmed rows"),
         ("dead_letters", max_dead_letters, "dead letters"),
     ):
         if limit is not None and (state[key] or 0) > limit:
@@ -395,9 +417,17 @@ def status_command(
             ("WAL retained", _bytes(state["wal_retained_bytes"])),
             ("outbox table", state["table"]),
             ("publication", _publication(state)),
-            ("unprocessed rows", _count(state["unprocessed_rows"])),
-            ("dead letters", _count(state["dead_letters"])),
         ]
+        if state["slot_relays_table"]:
+            unknown = state["confirmed_rows_unknown"]
+            confirmed = f"- ({unknown})" if unknown else _count(state["confirmed_rows"])
+            rows += [
+                ("confirmed rows", confirmed),
+                ("unconfirmed rows", _count(state["unconfirmed_rows"])),
+            ]
+        else:
+            rows.append(("unprocessed rows", _count(state["unprocessed_rows"])))
+        rows.append(("dead letters", _count(state["dead_letters"])))
         for name, value in rows:
             click.echo(f"{name:<17} {value}")
         for alert in alerts:

@@ -1,5 +1,5 @@
-"""Which outbox rows a slot has confirmed: the rule ``prune --slot`` deletes by (README.md,
-"Pruning a stream outbox", tells users).
+"""Which outbox rows a slot has confirmed: the rule ``prune --slot`` deletes by and ``status``
+counts by (README.md, "Pruning a stream outbox", tells users).
 
 ``stream`` never marks a row. What reached Kafka is recorded only as the slot's confirmed
 position, a WAL position, which no row carries; a row carries the id of the transaction that
@@ -36,14 +36,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import sql
 
 from cdc_relay.lsn import Lsn, parse
 from cdc_relay.queries import QUERIES
-from cdc_relay.slot import OutboxTable
+
+if TYPE_CHECKING:  # slot.py imports this module, for status
+    from cdc_relay.slot import OutboxTable
 
 _LOOK_EVERY = 0.2  # seconds between looks at the slot while waiting for it
 _ADVANCE_EVERY = 1.0  # seconds between empty transactions while waiting for it
@@ -108,6 +110,15 @@ def query(name: str, table: OutboxTable) -> sql.Composed:
         table=sql.Identifier(table.schema, table.name),
         confirmed=sql.SQL(QUERIES["confirmed_row"]),
     )
+
+
+def counts(
+    conn: psycopg.Connection[dict[str, Any]], table: OutboxTable, horizon: Horizon
+) -> tuple[int, int]:
+    """The rows of ``table`` the horizon shows on Kafka, and the others (inserted by a
+    transaction at or after X, so not shown yet)."""
+    row = _one(conn, query("confirmed_counts", table), horizon.params)
+    return int(row["confirmed"]), int(row["unconfirmed"])
 
 
 def _one(

@@ -13,7 +13,9 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
+from cdc_relay import horizon
 from cdc_relay.errors import PreflightError
+from cdc_relay.lsn import format_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ReplicationConnection
 
@@ -308,8 +310,15 @@ def relay_problem(
     return None
 
 
-def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, Any]:
-    """The slot's state and the outbox's counts, for ``cdc-relay status``."""
+def status(
+    dsn: str, slot_name: str, table: str, publication: str, wait: float = 5.0
+) -> dict[str, Any]:
+    """The slot's state and the outbox's counts, for ``cdc-relay status``.
+
+    When the slot relays the table, its rows are told apart by horizon.py's rule: confirmed
+    (on Kafka) or not, once the slot has confirmed the WAL position of the start, which is
+    waited for up to ``wait`` seconds.
+    """
     with connect(dsn) as conn:
         slot = _one(conn, "slot", slot=slot_name)
         found = _one(conn, "table", table=table)
@@ -321,27 +330,61 @@ def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, 
             if outbox is not None and published and slot.get("plugin") == "pgoutput"
             else None
         )
+        database = _one(conn, "server")["database"]
+        problem = slot_problem(slot, slot_name, database) if slot else None
+        relays = (
+            outbox is not None
+            and bool(slot)
+            and problem is None
+            and relay_problem(conn, slot["plugin"], slot_name, publication, outbox) is None
+        )
         counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
-        if found:
+        missing = _one(conn, "poll_columns", oid=outbox.oid).get("missing") if outbox else None
+        if found and "processed_at" not in (missing or ()):
             statement = sql.SQL(QUERIES["unprocessed_count"]).format(table=sql.SQL(found["name"]))
             counts.update(conn.execute(statement).fetchone() or {})
         if _one(conn, "dead_letter_view").get("present"):
             counts.update(_one(conn, "dead_letter_count"))
+        rows = _confirmed_rows(conn, slot_name, outbox, wait) if relays and outbox else {}
     return {
         "slot": slot_name,
         "exists": bool(slot),
+        "slot_problem": problem,
         "active": bool(slot.get("active")),
         "active_pid": slot.get("active_pid"),
         "plugin": slot.get("plugin"),
         "confirmed_flush_lsn": slot.get("confirmed_flush_lsn"),
         "wal_retained_bytes": slot.get("retained_bytes"),
         "table": found.get("name") if found else table,
+        "slot_relays_table": relays,
         "publication": publication,
         "publication_exists": published,
         "publication_problem": publication_problem,
+        "confirmed_rows": rows.get("confirmed"),
+        "unconfirmed_rows": rows.get("unconfirmed"),
+        "confirmed_rows_unknown": rows.get("unknown"),
         "unprocessed_rows": counts.get("unprocessed"),
         "dead_letters": counts.get("dead_letters"),
     }
+
+
+def _confirmed_rows(
+    conn: psycopg.Connection[dict[str, Any]], slot: str, table: OutboxTable, wait: float
+) -> dict[str, Any]:
+    """The rows of ``table`` the slot has confirmed and the others (horizon.py); or why it
+    cannot tell, when the slot has not confirmed the start's WAL position within ``wait``."""
+    if _one(conn, "in_recovery")["standby"]:
+        return {"unknown": "the server is a standby; ask the primary"}
+    edge = horizon.take(conn)
+    confirmed, active = horizon.wait_for(conn, slot, edge.wal, wait)
+    if confirmed < edge.wal:
+        return {
+            "unknown": f"slot {slot} has not confirmed {format_lsn(edge.wal)}, where the WAL "
+            f"was when status began, within {wait:g} s"
+            f"{'' if active else ', and no relay streams it'}"
+        }
+    done, left = horizon.counts(conn, table, edge)
+    return {"confirmed": done, "unconfirmed": left}
 
 
 def drop(dsn: str, spec: SlotSpec) -> list[str]:

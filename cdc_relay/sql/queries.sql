@@ -309,6 +309,10 @@ SELECT pg_current_wal_insert_lsn()::text AS lsn
 -- the WAL writer flushes it soon, so that a slot can pass those positions on an idle database
 SELECT pg_current_xact_id()
 
+-- in_recovery --
+-- Whether the server is a standby, which has no WAL insert position of its own
+SELECT pg_is_in_recovery() AS standby
+
 -- confirmed_row --
 -- Whether row t was inserted by a transaction whose id precedes `xmin` (the low 32 bits of a
 -- horizon's snapshot xmin): t.xmin - xmin, modulo 2^32, is negative as a signed 32-bit number.
@@ -327,6 +331,13 @@ WHERE t.ctid = ANY(ARRAY(
     LIMIT %(limit)s
 ))
   AND t.created_at < %(before)s AND {confirmed}
+
+-- confirmed_counts --
+-- The outbox's rows whose transaction the slot has confirmed ({confirmed}: confirmed_row), and
+-- the others
+SELECT count(*) FILTER (WHERE {confirmed})::bigint AS confirmed,
+       count(*) FILTER (WHERE NOT {confirmed})::bigint AS unconfirmed
+FROM {table} AS t
 
 -- created_at_column --
 -- Whether the table has the created_at column prune --slot reads a row's age from

@@ -10,6 +10,7 @@ transaction ids are each held to the rule.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -234,10 +235,17 @@ def test_prune_leaves_unconfirmed_rows_and_those_of_open_transactions(
         assert "and no relay streams it); nothing was deleted: start cdc-relay stream" in lines[0]
         assert ids_in_table(outbox_db) == before
 
+        shown = _status(outbox_db, names, "--wait", "1")
+        assert shown["slot_relays_table"] is True
+        assert shown["confirmed_rows"] is None
+        assert "has not confirmed" in shown["confirmed_rows_unknown"]
+
         # The relay back: the rows committed before the open transaction began go, its own
         # stay (its id, and its subtransaction's, are past the horizon's xmin).
         relay.start()
         wait_confirmed(outbox_db, names.slot, waiting)
+        shown = _status(outbox_db, names)
+        assert (shown["confirmed_rows"], shown["unconfirmed_rows"]) == (12, 0)
         pruned = prune(outbox_db, names)
         assert pruned.returncode == 0, pruned.stderr
         assert pruned.stdout.startswith("pruned 12 confirmed rows (created before "), pruned.stdout
@@ -257,6 +265,7 @@ def test_prune_leaves_unconfirmed_rows_and_those_of_open_transactions(
             table = find_table(conn, "outbox_events")
             assert table is not None
             assert delete_confirmed(conn, table, edge, FAR, 100) == 0
+            assert horizon.counts(conn, table, edge) == (0, 2)
         assert ids_in_table(outbox_db) == set(kept)
         assert confirmed_lsn(outbox_db, names.slot) <= before_commit  # not relayed
 
@@ -299,6 +308,23 @@ def lsn_now(conn: psycopg.Connection[Any]) -> Lsn:
         row = cur.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
     assert row is not None
     return parse_lsn(row[0])
+
+
+def _status(dsn: str, names: Any, *more: str) -> dict[str, Any]:
+    shown = cli(
+        "status",
+        "--dsn",
+        dsn,
+        "--slot",
+        names.slot,
+        "--publication",
+        names.publication,
+        "--json",
+        *more,
+    )
+    assert shown.returncode in (0, 3), shown.stderr
+    state: dict[str, Any] = json.loads(shown.stdout)
+    return state
 
 
 # -- what prune refuses -------------------------------------------------------------------------
@@ -385,6 +411,10 @@ def test_prune_refuses_a_slot_that_does_not_relay_the_table_in_one_line(
         usage = cli("prune", "--dsn", outbox_db, "--older-than", "1d", "--slot", "x", "--wait", "x")
         assert usage.returncode == 2
         assert "'x' is not a number of seconds from 0 to 3600" in usage.stderr
+
+        shown = cli("status", "--dsn", outbox_db, "--slot", f"{names.slot}_phys", "--json")
+        assert shown.returncode == 3
+        assert json.loads(shown.stdout)["alerts"] == [cases[("--slot", f"{names.slot}_phys")]]
     finally:
         with psycopg.connect(postgres_service.dsn, autocommit=True) as admin:
             admin.execute("SELECT pg_drop_replication_slot(%s)", (other_db,))
@@ -502,6 +532,7 @@ def test_prune_across_the_wraparound_of_transaction_ids(
         advance_slot(dsn, names.slot, edge.wal)
         table = find_table(conn, "outbox_events")
         assert table is not None
+        assert horizon.counts(conn, table, edge) == (4, 2)
         assert delete_confirmed(conn, table, edge, FAR, 3) == 4
         open_conn.commit()
         assert ids_in_table(dsn) == set(running) | {w.id for w in later}
