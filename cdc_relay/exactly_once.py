@@ -278,6 +278,11 @@ class TransactionalSink(KafkaSink):
         else:
             self._on_refused(token, err)
 
+    def _on_fatal(self, err: KafkaError) -> None:
+        if self.failure is None and _fenced(err):
+            self.failure = _fenced_error()
+        super()._on_fatal(err)
+
     def _call(self, method: Any, *args: Any) -> None:
         try:
             method(*args)
@@ -285,13 +290,8 @@ class TransactionalSink(KafkaSink):
             self._fail(exc.args[0])
 
     def _fail(self, err: KafkaError) -> None:
-        if err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED) or (
-            err.code() == KafkaError.INVALID_PRODUCER_EPOCH
-        ):
-            raise DeliveryError(
-                "another relay took over this slot's Kafka transactions (its producer fenced "
-                "this one); nothing this relay had not committed becomes visible; stopping"
-            )
+        if _fenced(err):
+            raise _fenced_error()
         if err.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
             raise DeliveryError(
                 f"Kafka refused the transactional id: {err.str()}; grant the relay's principal "
@@ -301,3 +301,19 @@ class TransactionalSink(KafkaSink):
             f"Kafka transaction failed: {err.str()}; restart the relay: it resumes after the "
             "last committed checkpoint"
         )
+
+
+def _fenced(err: KafkaError) -> bool:
+    return err.code() in (
+        KafkaError._FENCED,
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+    )
+
+
+def _fenced_error() -> DeliveryError:
+    return DeliveryError(
+        "another relay took over this slot's Kafka transactions (a producer with the same "
+        "transactional id fenced this one); nothing this relay had not committed becomes "
+        "visible; stopping"
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -266,11 +267,12 @@ class StreamRelay:
         self._register_metrics()
         self._table, confirmed, self._plugin = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
-        if self._eos is not None:
-            self._start_transactions(self._eos)
         self._conn = self._acquire()
         if self._conn is None:
             return  # stopped while waiting as a standby
+        if self._eos is not None:
+            # Only with the slot in hand: a standby must not fence the relay it stands by for.
+            self._start_transactions(self._eos)
         publication = self.settings.publication if self._plugin == "pgoutput" else None
         watcher = Watcher(
             self.settings.dsn,
@@ -587,6 +589,8 @@ class StreamRelay:
     def _send(self, message: Message, transaction: Transaction, event_id: str) -> None:
         token = (transaction, event_id)
         self.tracker.sent(transaction)
+        if self._eos is not None:
+            self._unit_events += 1  # a checkpoint taken in this transaction counts it
         if self._suspects and event_id in self._suspects:
             self._send_suspect(message, token)
         else:
@@ -787,11 +791,35 @@ class StreamRelay:
         """Fence older relays of this transactional id, read how far they committed: the
         stream skips that."""
         config = self.settings.kafka_config
-        ensure_topic(config, eos.checkpoint_topic, self.settings.kafka_timeout)
-        self._transactions.initialise()
-        self._committed = read_checkpoint(
-            config, eos.checkpoint_topic, eos.transactional_id, self.settings.kafka_timeout
-        )
+        found: list[Checkpoint] = []
+        failed: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                ensure_topic(config, eos.checkpoint_topic, self.settings.kafka_timeout)
+                self._transactions.initialise()
+                found.append(
+                    read_checkpoint(
+                        config,
+                        eos.checkpoint_topic,
+                        eos.transactional_id,
+                        self.settings.kafka_timeout,
+                    )
+                )
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the relay's thread
+                failed.append(exc)
+
+        # Kafka may take seconds (the coordinator finishing the fenced relay's transaction);
+        # meanwhile the walsender hears from us, confirming nothing.
+        worker = threading.Thread(target=start, name="exactly-once-start", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+            self.health.beat()
+            self._require_conn().send_status(self._received, 0)
+        if failed:
+            raise failed[0]
+        self._committed = found[0]
         self._skipper = Skipper(self._committed)
         self._quiet = True
         self._last_full = self._committed.position
