@@ -30,6 +30,7 @@ from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-def
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError
 from cdc_relay.lsn import Lsn
+from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 from cdc_relay.sink import Acked, KafkaSink, Refused
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,8 @@ class TransactionalSink(KafkaSink):
         self._open = False
         self.events = 0
         self.committed += 1
+        KAFKA_TRANSACTIONS.labels(outcome="committed").inc()
+        KAFKA_TRANSACTION_SECONDS.observe(time.monotonic() - self.opened)
         tokens, self._appended = self._appended, []
         for token in tokens:
             self._on_ack(token)
@@ -255,6 +258,7 @@ class TransactionalSink(KafkaSink):
         if self._open:
             self._call(self._producer.abort_transaction, self._timeout)
             self.aborted += 1
+            KAFKA_TRANSACTIONS.labels(outcome="aborted").inc()
         self._producer.flush(0)
         self._appended = []
         self._open = False
