@@ -589,8 +589,6 @@ class StreamRelay:
     def _send(self, message: Message, transaction: Transaction, event_id: str) -> None:
         token = (transaction, event_id)
         self.tracker.sent(transaction)
-        if self._eos is not None:
-            self._unit_events += 1  # a checkpoint taken in this transaction counts it
         if self._suspects and event_id in self._suspects:
             self._send_suspect(message, token)
         else:
@@ -598,6 +596,9 @@ class StreamRelay:
             if err is not None:  # the client refused it: it is the culprit, for certain
                 self._settle()
                 self._culprit(message, token, err)
+        if self._eos is not None:
+            # Counted once produced (a checkpoint taken while it waited must not count it).
+            self._unit_events += 1
         self.progress.events += 1
 
     def _offer(self, message: Message, token: Token) -> KafkaError | None:

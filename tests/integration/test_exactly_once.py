@@ -119,3 +119,40 @@ def test_a_relay_that_lost_the_slot_is_fenced_and_adds_nothing(
     assert verdict.duplicates == 0
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
+
+
+def test_an_event_kafka_refuses_stops_the_relay_and_nothing_is_published_twice(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """A 160 kB event on a topic of max.message.bytes 100 kB, between small events of other
+    aggregates in one transaction: its Kafka transaction aborts, the relay finds it (alone in
+    a transaction of its own) and stops at it with the usual one-line error; raised limit,
+    restarted: every event once."""
+    from test_refusals import SCENARIOS, apply_fix, last_line, prepare, write_workload
+
+    scenario = SCENARIOS["too-large"]
+    prefix = names.topic_prefix
+    prepare(scenario, outbox_db, kafka_service.bootstrap, prefix)
+    setup_slot(outbox_db, names)
+    workload = write_workload(scenario, outbox_db)
+    relay = eos_relay(tmp_path, outbox_db, kafka_service, names)
+    try:
+        relay.start()
+        assert relay.wait(90) == 1, relay.log()[-3000:]
+        last = last_line(relay)
+        assert last.startswith(f"cdc-relay: error: Kafka refused event {workload.culprit.id}")
+        assert scenario.remedy in last, last
+        at_stop = consume(kafka_service.bootstrap, prefix, len(workload.before), 30, settle=1.5)
+        assert workload.culprit.id not in {r.id for r in at_stop}
+        apply_fix(scenario, kafka_service.bootstrap, prefix)
+        relay.start()
+        received = consume(kafka_service.bootstrap, prefix, len(workload.committed), 60)
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    verdict = check(workload.committed, received, prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0  # the innocents refused with it were aborted, not shown
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
