@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
@@ -215,6 +215,8 @@ class TransactionalSink(KafkaSink):
         self._initialised = True
 
     def offer(self, message: Any, token: Any) -> bool:
+        if self.failure is not None:  # fenced, or failed for good: nothing more goes out
+            raise self.failure
         if not self._open:
             self._call(self._producer.begin_transaction)
             self._open = True
@@ -228,7 +230,10 @@ class TransactionalSink(KafkaSink):
         """Commit the open transaction with ``checkpoint``; then its messages are acked."""
         if not self._open:
             return
-        self._producer.produce(self._topic, checkpoint.encode(), self._key)
+        try:
+            self._producer.produce(self._topic, checkpoint.encode(), self._key)
+        except KafkaException as exc:
+            self._fail(exc.args[0])
         for attempt in range(_COMMIT_RETRIES):
             try:
                 self._producer.commit_transaction(self._timeout)
@@ -293,7 +298,9 @@ class TransactionalSink(KafkaSink):
         except KafkaException as exc:
             self._fail(exc.args[0])
 
-    def _fail(self, err: KafkaError) -> None:
+    def _fail(self, err: KafkaError) -> NoReturn:
+        if self.failure is not None:  # the client said why first (fenced, most often)
+            raise self.failure
         if _fenced(err):
             raise _fenced_error()
         if err.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
