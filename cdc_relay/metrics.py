@@ -64,6 +64,16 @@ SINCE_LAST_EVENT = Gauge(
     "cdc_relay_seconds_since_last_event",
     "Seconds since the relay last read an event.",
 )
+KAFKA_TRANSACTIONS = Counter(
+    "cdc_relay_kafka_transactions",
+    "Kafka transactions of stream --exactly-once, by outcome (committed, aborted).",
+    ["outcome"],
+)
+KAFKA_TRANSACTION_SECONDS = Histogram(
+    "cdc_relay_kafka_transaction_seconds",
+    "From a Kafka transaction's first event to its commit (stream --exactly-once).",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 SHARD = Gauge(
     "cdc_relay_shard",
     "1, labelled with the shard this relay streams (stream --shard K/N): join it with the "

@@ -14,7 +14,7 @@ Every command resolves ``--table`` once (:func:`resolve`) and names the table by
 name from then on. Every poller connection holds the table's advisory lock, shared, before
 it claims; the handover to ``stream`` holds it exclusively, so the two never run together.
 
-Also here: the housekeeping commands (dead letters, prune) and the handover to ``stream``.
+Also here: the dead-letter commands and the handover to ``stream``; prune.py prunes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -273,8 +272,8 @@ def _refusal(exc: psycopg.DatabaseError, outbox: Outbox, doing: str) -> RelayErr
 
 
 @contextlib.contextmanager
-def _refusals(outbox: Outbox, doing: str) -> Iterator[None]:
-    """Database errors of a housekeeping command as one line each."""
+def refused(outbox: Outbox, doing: str) -> Iterator[None]:
+    """Database errors of a housekeeping command (dead letters, prune) as one line each."""
     try:
         yield
     except psycopg.DatabaseError as exc:
@@ -811,14 +810,14 @@ def _pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
         return None
 
 
-# -- dead letters and pruning ---------------------------------------------------------------
+# -- dead letters ---------------------------------------------------------------------------
 
 
 def dead_letters(dsn: str, table: str, limit: int) -> list[dict[str, Any]]:
     """The oldest ``limit`` dead letters."""
     with connect(dsn) as conn:
         outbox = resolve(conn, table)
-        with _refusals(outbox, "the dead-letter query"):
+        with refused(outbox, "the dead-letter query"):
             return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
 
 
@@ -829,35 +828,13 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
     """
     with connect(dsn) as conn:
         outbox = resolve(conn, table)
-        with _refusals(outbox, "the retry of dead letters"), conn.transaction():
+        with refused(outbox, "the retry of dead letters"), conn.transaction():
             rows = conn.execute(
                 outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
             ).fetchall()
             if rows:
                 conn.execute(QUERIES["notify"], {"channel": outbox.channel})
     return [row["id"] for row in rows]
-
-
-def prune(
-    dsn: str, table: str, older_than: timedelta, batch_size: int = 10_000
-) -> tuple[int, datetime]:
-    """Delete rows processed more than ``older_than`` ago, ``batch_size`` per transaction.
-
-    Returns how many were deleted and the cut-off.
-    """
-    deleted = 0
-    with connect(dsn) as conn:
-        outbox = resolve(conn, table)
-        statement = outbox.query("prune")
-        with _refusals(outbox, "the prune"):
-            before = conn.execute(QUERIES["prune_before"], {"age": older_than}).fetchone() or {}
-            cutoff: datetime = before["before"]
-            while True:
-                count = conn.execute(statement, {"before": cutoff, "limit": batch_size}).rowcount
-                deleted += count
-                if count < batch_size:
-                    return deleted, cutoff
-                log.info("pruned %d rows so far", deleted, extra={"action": "prune"})
 
 
 # -- handing over to stream -----------------------------------------------------------------

@@ -46,7 +46,8 @@ _REMEDIES = {
 }
 # Settings that belong to modes the relay does not run in.
 FORBIDDEN = {
-    "transactional.id": "exactly-once delivery is not available yet; remove transactional.id",
+    "transactional.id": "stream --exactly-once runs the transactions (its transactional id is "
+    "--transactional-id); remove transactional.id",
 }
 
 DEFAULTS = {

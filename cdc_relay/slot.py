@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from cdc_relay import schema
+from cdc_relay import horizon, schema
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -343,8 +343,58 @@ def _check_slot(spec: SlotSpec, database: str, slot: dict[str, Any]) -> None:
         )
 
 
-def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, Any]:
-    """The slot's state and the outbox's counts, for ``cdc-relay status``."""
+def slot_problem(slot: dict[str, Any] | None, name: str, database: str) -> str | None:
+    """Why the slot ``name`` (its row of queries.sql's ``slot``, None when missing) cannot
+    vouch for the rows of an outbox in ``database``, with the remedy; None when it can."""
+    remedy = "pass --slot the slot that cdc-relay stream reads"
+    if slot is None:
+        return f"replication slot {name} does not exist; {remedy}"
+    if slot["slot_type"] != "logical":
+        return f"slot {name} is a {slot['slot_type']} slot, which relays no events; {remedy}"
+    if slot["database"] != database:
+        return (
+            f"slot {name} belongs to database {slot['database']}, not {database}: it relays "
+            f"that database's events; {remedy} in {database}, or connect to {slot['database']}"
+        )
+    if slot["plugin"] not in PLUGINS:
+        return (
+            f"slot {name} decodes with {slot['plugin']}, which cdc-relay stream does not "
+            f"read; {remedy} ({' or '.join(PLUGINS)})"
+        )
+    return None
+
+
+def relay_problem(
+    conn: psycopg.Connection[dict[str, Any]],
+    plugin: str,
+    slot: str,
+    publication: str,
+    table: OutboxTable,
+) -> str | None:
+    """Why the slot ``slot``, of ``plugin`` (one the relay reads), relays no rows of ``table``
+    (``stream`` refuses it so), with the remedy; None when it does."""
+    if plugin == "pgoutput":
+        problem = coverage_problem(conn, publication, table)
+        if problem is None:
+            return None
+        return f"{problem} (--publication names the one cdc-relay stream reads)"
+    if table.partitioned:
+        return (
+            f"{table.qualified} is partitioned, and wal2json names each row by its partition, "
+            f"so slot {slot} relays none of them; use a pgoutput slot"
+        )
+    return None
+
+
+def status(
+    dsn: str, slot_name: str, table: str, publication: str, wait: float = 5.0
+) -> dict[str, Any]:
+    """The slot's state and the outbox's counts, for ``cdc-relay status``.
+
+    When the slot relays the table, its rows are told apart by horizon.py's rule: confirmed
+    (on Kafka) or not, once the slot has confirmed the WAL position of the start, which is
+    waited for up to ``wait`` seconds.
+    """
     with connect(dsn) as conn:
         slot = _one(conn, "slot", slot=slot_name)
         found = _one(conn, "table", table=table)
@@ -356,24 +406,39 @@ def status(dsn: str, slot_name: str, table: str, publication: str) -> dict[str, 
             if outbox is not None and published and slot.get("plugin") == "pgoutput"
             else None
         )
+        database = _one(conn, "server")["database"]
+        problem = slot_problem(slot, slot_name, database) if slot else None
+        relays = (
+            outbox is not None
+            and bool(slot)
+            and problem is None
+            and relay_problem(conn, slot["plugin"], slot_name, publication, outbox) is None
+        )
         counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
-        if found:
+        missing = _one(conn, "poll_columns", oid=outbox.oid).get("missing") if outbox else None
+        if found and "processed_at" not in (missing or ()):
             statement = sql.SQL(QUERIES["unprocessed_count"]).format(table=sql.SQL(found["name"]))
             counts.update(conn.execute(statement).fetchone() or {})
         if _one(conn, "dead_letter_view").get("present"):
             counts.update(_one(conn, "dead_letter_count"))
+        rows = _confirmed_rows(conn, slot_name, outbox, wait) if relays and outbox else {}
     return {
         "slot": slot_name,
         "exists": bool(slot),
+        "slot_problem": problem,
         "active": bool(slot.get("active")),
         "active_pid": slot.get("active_pid"),
         "plugin": slot.get("plugin"),
         "confirmed_flush_lsn": slot.get("confirmed_flush_lsn"),
         "wal_retained_bytes": slot.get("retained_bytes"),
         "table": found.get("name") if found else table,
+        "slot_relays_table": relays,
         "publication": publication,
         "publication_exists": published,
         "publication_problem": publication_problem,
+        "confirmed_rows": rows.get("confirmed"),
+        "unconfirmed_rows": rows.get("unconfirmed"),
+        "confirmed_rows_unknown": rows.get("unknown"),
         "unprocessed_rows": counts.get("unprocessed"),
         "dead_letters": counts.get("dead_letters"),
     }
@@ -449,6 +514,25 @@ def _comment(publication: str, text: str) -> sql.Composed:
     return sql.SQL("COMMENT ON PUBLICATION {} IS {}").format(
         sql.Identifier(publication), sql.Literal(text)
     )
+
+
+def _confirmed_rows(
+    conn: psycopg.Connection[dict[str, Any]], slot: str, table: OutboxTable, wait: float
+) -> dict[str, Any]:
+    """The rows of ``table`` the slot has confirmed and the others (horizon.py); or why it
+    cannot tell, when the slot has not confirmed the start's WAL position within ``wait``."""
+    if _one(conn, "in_recovery")["standby"]:
+        return {"unknown": "the server is a standby; ask the primary"}
+    edge = horizon.take(conn)
+    confirmed, active = horizon.wait_for(conn, slot, edge.wal, wait)
+    if confirmed < edge.wal:
+        return {
+            "unknown": f"slot {slot} has not confirmed {format_lsn(edge.wal)}, where the WAL "
+            f"was when status began, within {wait:g} s"
+            f"{'' if active else ', and no relay streams it'}"
+        }
+    done, left = horizon.counts(conn, table, edge)
+    return {"confirmed": done, "unconfirmed": left}
 
 
 def drop(dsn: str, spec: SlotSpec) -> list[str]:

@@ -6,8 +6,10 @@ tracker needs no locks, and the order of events is the order of the stream.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +40,15 @@ from cdc_relay.events import (
     Relation,
     RowMapper,
     envelope_event,
+)
+from cdc_relay.exactly_once import (
+    Checkpoint,
+    ExactlyOnce,
+    Skipper,
+    TransactionAborted,
+    TransactionalSink,
+    ensure_topic,
+    read_checkpoint,
 )
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -102,6 +113,7 @@ class StreamSettings:
     ignore_other_tables: bool = False
     shard: Shard | None = None  # slot and publication are then the shard's (shards.py)
     cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
+    exactly_once: ExactlyOnce | None = None  # Kafka transactions with a checkpoint
 
 
 @dataclass
@@ -139,9 +151,20 @@ class StreamRelay:
         self.router = Router(
             settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
         )
-        self.sink = KafkaSink(
-            settings.kafka_config, on_ack=self._acked, on_refused=self._refused, relay="stream"
-        )
+        self._eos = settings.exactly_once
+        self.sink: KafkaSink
+        if self._eos is None:
+            self.sink = KafkaSink(
+                settings.kafka_config, on_ack=self._acked, on_refused=self._refused
+            )
+        else:
+            self.sink = self._transactions = TransactionalSink(
+                settings.kafka_config,
+                on_ack=self._acked,
+                on_refused=self._refused,
+                transactional_id=self._eos.transactional_id,
+                checkpoint_topic=self._eos.checkpoint_topic,
+            )
         self.dead_letters = (
             DeadLetters(settings.dsn, settings.slot, settings.dead_letter_topic)
             if settings.dead_letter_topic
@@ -181,6 +204,14 @@ class StreamRelay:
         # skipped and never confirmed (shards.py); None for any other relay.
         self._after_cut: StartAfterCut | None = None
         self._waiting = False  # still before the cut
+        # Exactly once: how far the committed Kafka transactions reach, what a replay skips,
+        # and where the stream is (exactly_once.py).
+        self._committed = Checkpoint()
+        self._skipper: Skipper | None = None
+        self._quiet = False  # events may be skipped: waiting for a cut, or replaying
+        self._last_full: Lsn = 0  # position of the last unit whose events were all produced
+        self._unit: Lsn = 0  # position of the open transaction
+        self._unit_events = 0  # its events produced (or skipped as already in Kafka)
         self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
         self._cut_at: Lsn | None = None  # an old shard's cut, reached: confirmed on stopping
 
@@ -239,6 +270,9 @@ class StreamRelay:
         self._conn = self._acquire()
         if self._conn is None:
             return  # stopped while waiting as a standby
+        if self._eos is not None:
+            # Only with the slot in hand: a standby must not fence the relay it stands by for.
+            self._start_transactions(self._eos)
         publication = self.settings.publication if self._plugin == "pgoutput" else None
         watcher = Watcher(
             self.settings.dsn,
@@ -340,19 +374,23 @@ class StreamRelay:
             if mapper is None:
                 self._other_table(record.relid)
                 return
-            if self._transaction is None or self._waiting:
+            if self._transaction is None or (self._quiet and self._skip()):
                 return
             event = mapper.event(record, self._begin)
             self._send(self.router.route(event), self._transaction, event.id)
         elif isinstance(record, Begin):
             self._begin = record
             self._transaction = self.tracker.begin(record.commit_time_us)
+            if self._eos is not None:
+                self._unit_begins(record.final_lsn)
         elif isinstance(record, Commit):
             if self._transaction is not None:
                 self.tracker.commit(self._transaction, record.end_lsn)
                 self.progress.transactions += 1
                 if self._transaction is self._cut_transaction:
                     self._cut_transaction = None  # past the cut for good: confirm again
+                if self._eos is not None:
+                    self._last_full, self._unit, self._unit_events = self._unit, 0, 0
             self._begin = None
             self._transaction = None
         elif isinstance(record, Relation):
@@ -410,17 +448,82 @@ class StreamRelay:
             if self._transaction is None or self._begin is None:
                 raise RelayError("transactional message outside a transaction; please report it")
             event = envelope_event(record, self._begin)
-            if self._waiting or (shard is not None and not shard.owns(event.aggregate_id)):
+            if shard is not None and not shard.owns(event.aggregate_id):
+                return
+            if self._quiet and self._skip():
                 return
             self._send(self.router.route(event), self._transaction, event.id)
         else:
             # Sent at once, even if its transaction rolls back: its own unit in the tracker.
             event = envelope_event(record, None)
-            if self._waiting or (shard is not None and not shard.owns(event.aggregate_id)):
+            if shard is not None and not shard.owns(event.aggregate_id):
+                return
+            if self._eos is not None:
+                self._unit_begins(record.lsn)
+            if self._quiet and self._skip():
+                if self._eos is not None:
+                    self._last_full, self._unit, self._unit_events = record.lsn, 0, 0
                 return
             transaction = self.tracker.begin(time.time_ns() // 1000)
             self._send(self.router.route(event), transaction, event.id)
             self.tracker.commit(transaction, record.lsn)
+            if self._eos is not None:
+                self._last_full, self._unit, self._unit_events = record.lsn, 0, 0
+
+    def _skip(self) -> bool:
+        """Whether to skip an event: before a resharding cut, or in Kafka already (a replay in
+        exactly-once mode)."""
+        if self._waiting:
+            return True
+        if self._skipper is not None and self._skipper.skip():
+            self._unit_events += 1  # counted: a checkpoint taken in this unit includes it
+            return True
+        return False
+
+    def _unit_begins(self, position: Lsn) -> None:
+        """Exactly once: a unit of the stream starts (a transaction at its commit's LSN, or a
+        non-transactional message at its own); a replay is over once past the checkpoint."""
+        self._unit, self._unit_events = position, 0
+        skipper = self._skipper
+        if skipper is None:
+            return
+        checkpoint = skipper.checkpoint
+        if position > checkpoint.position and position > checkpoint.partial_position:
+            self._skipper = None
+            self._quiet = self._waiting
+        else:
+            skipper.unit(position)
+
+    def _checkpoint(self) -> Checkpoint:
+        """How far the events produced so far reach in the stream."""
+        if self._unit and self._unit_events:
+            return Checkpoint(self._last_full, self._unit, self._unit_events)
+        return Checkpoint(self._last_full)
+
+    def _commit_kafka(self) -> None:
+        """Commit the open Kafka transaction with its checkpoint (its events are acknowledged
+        then, and the slot may be confirmed past them); may raise TransactionAborted."""
+        checkpoint = self._checkpoint()
+        self._transactions.commit(checkpoint)
+        self._committed = checkpoint
+
+    def _maybe_commit(self, force: bool = False) -> None:
+        """Exactly once: commit when the transaction is old or large enough (or ``force``)."""
+        eos = self._eos
+        sink = self._transactions
+        if eos is None or not sink.events:
+            return
+        if not (
+            force or sink.events >= eos.max_events or time.monotonic() - sink.opened >= eos.interval
+        ):
+            return
+        self._serve(0)  # a refusal reported by now rewinds instead
+        try:
+            self._commit_kafka()
+        except TransactionAborted as exc:
+            if self._refusals:
+                raise _Rewind from None
+            raise ConnectionLost(f"Kafka aborted the transaction ({exc}); replaying") from None
 
     def _cut(self, record: LogicalMessage) -> None:
         """A resharding cut: a new shard waiting for it starts after it; an old shard stops
@@ -434,6 +537,7 @@ class StreamRelay:
             # before it: an aggregate's events must not overtake its earlier ones.
             self._wait_for_old_shards(cut, record.lsn)
             self._waiting = False
+            self._quiet = self._skipper is not None
             self._cut_transaction = self._transaction
             log.info(
                 "passed resharding cut %s at %s: the old shards delivered what came before "
@@ -492,6 +596,9 @@ class StreamRelay:
             if err is not None:  # the client refused it: it is the culprit, for certain
                 self._settle()
                 self._culprit(message, token, err)
+        if self._eos is not None:
+            # Counted once produced (a checkpoint taken while it waited must not count it).
+            self._unit_events += 1
         self.progress.events += 1
 
     def _offer(self, message: Message, token: Token) -> KafkaError | None:
@@ -525,13 +632,21 @@ class StreamRelay:
 
     def _deliver_alone(self, message: Message, token: Token) -> KafkaError | None:
         """Send ``message`` with nothing else in flight and wait for its report: whatever
-        Kafka answers is about this message. None when it was acknowledged."""
+        Kafka answers is about this message. None when it was acknowledged. (Exactly once:
+        alone in its Kafka transaction, committed at once.)"""
         self._settle()
+        if self._eos is not None:
+            self._maybe_commit(force=True)
         self._lone, self._lone_result = token, _PENDING
         try:
             err = self._offer(message, token)
             if err is not None:
                 return err
+            if self._eos is not None:
+                try:
+                    self._commit_kafka()
+                except TransactionAborted:
+                    pass  # its report came with Kafka's answer
             while self._lone_result is _PENDING:
                 self._wait_for_kafka()  # nothing else is in flight: no refusal but its own
             return self._lone_result if isinstance(self._lone_result, KafkaError) else None
@@ -577,6 +692,8 @@ class StreamRelay:
 
     def _send_status(self, force: bool = False) -> None:
         self.health.beat()
+        if self._eos is not None:
+            self._maybe_commit()
         if self._acks:
             self._published.inc(self._acks)
             self._acks = 0
@@ -671,6 +788,53 @@ class StreamRelay:
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return table, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
+    def _start_transactions(self, eos: ExactlyOnce) -> None:
+        """Fence older relays of this transactional id, read how far they committed: the
+        stream skips that."""
+        config = self.settings.kafka_config
+        found: list[Checkpoint] = []
+        failed: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                ensure_topic(config, eos.checkpoint_topic, self.settings.kafka_timeout)
+                self._transactions.initialise()
+                found.append(
+                    read_checkpoint(
+                        config,
+                        eos.checkpoint_topic,
+                        eos.transactional_id,
+                        self.settings.kafka_timeout,
+                    )
+                )
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the relay's thread
+                failed.append(exc)
+
+        # Kafka may take seconds (the coordinator finishing the fenced relay's transaction);
+        # meanwhile the walsender hears from us, confirming nothing.
+        worker = threading.Thread(target=start, name="exactly-once-start", daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(0.2)
+            self.health.beat()
+            self._require_conn().send_status(self._received, 0)
+        if failed:
+            raise failed[0]
+        self._committed = found[0]
+        self._skipper = Skipper(self._committed)
+        self._quiet = True
+        self._last_full = self._committed.position
+        log.info(
+            "exactly once: transactional id %s; Kafka holds the stream up to %s%s",
+            eos.transactional_id,
+            format_lsn(self._committed.position),
+            f" and {self._committed.partial_events} events of the transaction at "
+            f"{format_lsn(self._committed.partial_position)}"
+            if self._committed.partial_events
+            else "",
+            extra={"action": "checkpoint", "lsn": format_lsn(self._committed.position)},
+        )
+
     def _start_after_cut(
         self, conn: psycopg.Connection[dict[str, Any]], shard: Shard, confirmed: str
     ) -> None:
@@ -683,6 +847,7 @@ class StreamRelay:
             return
         self._after_cut = after
         self._waiting = after.lsn is None or parse_lsn(confirmed) < after.lsn
+        self._quiet = self._quiet or self._waiting
         if self._waiting:
             log.info(
                 "shard %s starts after resharding cut %s: skipping what comes before it, which "
@@ -748,6 +913,8 @@ class StreamRelay:
         self._drain(self.settings.shutdown_timeout, confirm=False)
         self._note_refusals()
         self._restart_decoding()
+        if self._eos is not None:
+            self.sink.renew()  # abort the open transaction: the replay produces it again
         self._reconnect()
 
     def _rewind(self) -> None:
@@ -800,9 +967,13 @@ class StreamRelay:
         self._mappers.clear()
         self._begin = None
         self._transaction = None
+        if self._eos is not None:  # what the committed transactions hold is skipped
+            self._skipper = Skipper(self._committed)
+            self._quiet = True
+            self._last_full, self._unit, self._unit_events = self._committed.position, 0, 0
         if self._cut_transaction is not None:  # the replay starts before the cut again
             self._cut_transaction = None
-            self._waiting = True
+            self._waiting = self._quiet = True
 
     def _pause(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -849,6 +1020,9 @@ class StreamRelay:
                 self.sink.renew()
             if self._conn is not None:
                 self._drain(self.settings.shutdown_timeout, confirm=True)
+                if self._eos is not None and not self._refusals and not self.sink.in_flight():
+                    with contextlib.suppress(TransactionAborted):
+                        self._commit_kafka()  # what was produced goes in, confirmed below
                 if self._watcher is not None:
                     self._watcher.check_now()  # the last confirmation covers all delivered
                 self._send_status(force=True)

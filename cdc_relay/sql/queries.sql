@@ -314,7 +314,9 @@ RETURNING id::text AS id
 SELECT now() - %(age)s::interval AS before
 
 -- prune --
--- Delete up to `limit` processed rows older than the cut-off, oldest first
+-- Delete up to `limit` processed rows older than the cut-off, oldest first. The condition is
+-- checked again on each row the DELETE reaches by ctid: a ctid names a row of one table, and
+-- each partition of a partitioned outbox has rows at the same ctids.
 DELETE FROM {table}
 WHERE ctid = ANY(ARRAY(
     SELECT ctid FROM {table}
@@ -322,6 +324,59 @@ WHERE ctid = ANY(ARRAY(
     ORDER BY processed_at
     LIMIT %(limit)s
 ))
+  AND processed_at < %(before)s
+
+-- snapshot_xmin --
+-- The oldest transaction running now, as a 64-bit id (xid8): every transaction with a lower id
+-- has ended, committed or rolled back (horizon.py)
+SELECT pg_snapshot_xmin(pg_current_snapshot())::text AS xmin
+
+-- wal_insert_lsn --
+-- The WAL insert position now: past every record already inserted, the commit record of every
+-- transaction that has ended included, flushed or not (synchronous_commit = off)
+SELECT pg_current_wal_insert_lsn()::text AS lsn
+
+-- advance_wal --
+-- An empty transaction with an id: its commit record follows every position read before, and
+-- the WAL writer flushes it soon, so that a slot can pass those positions on an idle database
+SELECT pg_current_xact_id()
+
+-- in_recovery --
+-- Whether the server is a standby, which has no WAL insert position of its own
+SELECT pg_is_in_recovery() AS standby
+
+-- confirmed_row --
+-- Whether row t was inserted by a transaction whose id precedes `xmin` (the low 32 bits of a
+-- horizon's snapshot xmin): t.xmin - xmin, modulo 2^32, is negative as a signed 32-bit number.
+-- PostgreSQL compares its 32-bit ids so; exact for ids under 2^31 apart (horizon.py).
+((t.xmin::text::bigint - %(xmin)s::bigint) & 4294967295) >= 2147483648
+
+-- prune_confirmed --
+-- Delete up to `limit` rows created before the cut-off whose transaction the slot has
+-- confirmed ({confirmed}: confirmed_row). The condition is checked again on each row the
+-- DELETE reaches by ctid: a ctid names a row of one table, and each partition of a partitioned
+-- outbox has rows at the same ctids.
+DELETE FROM {table} AS t
+WHERE t.ctid = ANY(ARRAY(
+    SELECT t.ctid FROM {table} AS t
+    WHERE t.created_at < %(before)s AND {confirmed}
+    LIMIT %(limit)s
+))
+  AND t.created_at < %(before)s AND {confirmed}
+
+-- confirmed_counts --
+-- The outbox's rows whose transaction the slot has confirmed ({confirmed}: confirmed_row), and
+-- the others
+SELECT count(*) FILTER (WHERE {confirmed})::bigint AS confirmed,
+       count(*) FILTER (WHERE NOT {confirmed})::bigint AS unconfirmed
+FROM {table} AS t
+
+-- created_at_column --
+-- Whether the table has the created_at column prune --slot reads a row's age from
+SELECT EXISTS (
+    SELECT 1 FROM pg_attribute
+    WHERE attrelid = %(oid)s::oid AND attname = 'created_at' AND attnum > 0 AND NOT attisdropped
+) AS present
 
 -- pollers --
 -- Other sessions holding the advisory lock of the outbox table (poll_lock): pollers hold it

@@ -362,7 +362,7 @@ class FaultRun:
     """
 
     scenario: str
-    kinds: Sequence[str]  # "stream", "poll"
+    kinds: Sequence[str]  # "stream", "stream-eos" (--exactly-once), "poll"
     dsn: str
     bootstrap: str
     names: Any
@@ -383,16 +383,28 @@ class FaultRun:
             extra = {"topic_template": self.topic_prefix(kind) + ".{aggregate_type}"}
             if kind == "stream":
                 setup_slot(self.dsn, self.names)
+            elif kind == "stream-eos":
+                setup_slot(self.dsn, self.names, slot=self.slot(kind))
+                extra.update(
+                    slot=self.slot(kind),
+                    exactly_once="1",
+                    checkpoint_topic=self.topic_prefix(kind) + "_checkpoints",
+                )
             else:
                 install_poller(self.dsn)
                 extra.update(
                     poll_interval="1", workers=str(POLL_WORKERS), batch_size=str(POLL_BATCH)
                 )
             env = relay_env(self.relay_dsn, self.relay_bootstrap, self.names, **extra)
-            self.relays[kind] = RelayProcess(self.log_dir, env, name=kind, command=kind)
+            command = "stream" if kind == "stream-eos" else kind
+            self.relays[kind] = RelayProcess(self.log_dir, env, name=kind, command=command)
 
     def topic_prefix(self, kind: str) -> str:
-        return f"{self.names.topic_prefix}_{kind}"
+        return f"{self.names.topic_prefix}_{kind.replace('-', '_')}"
+
+    def slot(self, kind: str) -> str:
+        """The slot a stream relay of ``kind`` reads."""
+        return self.names.slot + ("_eos" if kind == "stream-eos" else "")
 
     @property
     def relay(self) -> RelayProcess:
@@ -413,19 +425,21 @@ class FaultRun:
     def progress(self, kind: str) -> int:
         """A number that grows as the relay delivers: the slot's confirmed position for
         stream (it moves only past acknowledged events), processed rows for poll."""
-        if kind == "stream":
-            return self.confirmed_lsn() or 0
+        if kind.startswith("stream"):
+            return self.confirmed_lsn(kind) or 0
         return int(self._one("SELECT count(*) FROM outbox_events WHERE processed_at IS NOT NULL"))
 
-    def confirmed_lsn(self) -> int | None:
-        """The stream relay's slot's confirmed position: everything before it is on Kafka."""
-        if "stream" not in self.relays:
+    def confirmed_lsn(self, kind: str | None = None) -> int | None:
+        """A stream relay's slot's confirmed position (the first stream relay's by default):
+        everything before it is on Kafka."""
+        kind = kind or next((k for k in self.relays if k.startswith("stream")), None)
+        if kind is None:
             return None
         return int(
             self._one(
                 "SELECT pg_wal_lsn_diff(confirmed_flush_lsn, '0/0')::bigint "
                 "FROM pg_replication_slots WHERE slot_name = %s",
-                self.names.slot,
+                self.slot(kind),
             )
         )
 
@@ -475,9 +489,10 @@ class FaultRun:
         else:
             relay.kill()
         killed = Instant()
-        if "stream" in self.relays:
+        (kind,) = self.relays
+        if kind.startswith("stream"):
             wait_until(
-                lambda: not slot_row(self.dsn, self.names.slot)["active"],
+                lambda: not slot_row(self.dsn, self.slot(kind))["active"],
                 30,
                 "the slot to be free",
                 0.05,
@@ -537,6 +552,8 @@ class FaultRun:
         """
         if kind == "poll":
             return len(self.faults) * POLL_WORKERS * POLL_BATCH
+        if kind == "stream-eos":
+            return 0  # exactly once: a read_committed consumer sees no duplicate
         return sum(
             sum(
                 1

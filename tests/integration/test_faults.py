@@ -51,7 +51,7 @@ pytestmark = [
     pytest.mark.timeout(1800 if CHAOS else 300),
 ]
 
-RELAYS = ("stream", "poll")
+RELAYS = ("stream", "stream-eos", "poll")
 CUTS: tuple[Mode, ...] = ("refuse", "blackhole", "stall") if CHAOS else ("refuse",)
 
 MakeRun = Callable[..., FaultRun]

@@ -18,6 +18,12 @@ from cdc_relay.errors import UsageError
 REQUIRED = ["--dsn", "host=db.invalid", "--kafka-bootstrap", "kafka.invalid:9092"]
 
 
+def required(command: click.Command) -> list[str]:
+    """The required options of ``command``, with values that pass."""
+    values = dict(zip(REQUIRED[::2], REQUIRED[1::2], strict=True)) | {"--older-than": "1d"}
+    return [arg for p in command.params if p.required for arg in (p.opts[0], values[p.opts[0]])]
+
+
 def commands(
     group: click.Group = cli, path: tuple[str, ...] = ()
 ) -> Iterator[tuple[tuple[str, ...], click.Command]]:
@@ -60,7 +66,7 @@ def test_seconds_refuse_what_is_not_a_finite_number_in_range(
     path: tuple[str, ...], option: str, value: str
 ) -> None:
     # the option first: click checks options in the order they were given
-    result = CliRunner().invoke(cli, [*path, option, value, *REQUIRED])
+    result = CliRunner().invoke(cli, [*path, option, value, *required(dict(commands())[path])])
     assert result.exit_code == 2, result.output
     assert f"{value!r} is not a number of seconds from" in result.output
     assert "Traceback" not in result.output

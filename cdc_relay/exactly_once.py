@@ -1,0 +1,330 @@
+"""Exactly once into Kafka: a transactional producer and a checkpoint kept in Kafka.
+
+Events go to Kafka in Kafka transactions; each one also writes a checkpoint record (key: the
+transactional id) to a compacted topic, so Kafka commits the events and the record saying
+how far they reach atomically. The checkpoint names a position in the replication stream:
+every unit of the stream (a PostgreSQL transaction, known by the LSN of its commit record, or
+a non-transactional logical decoding message, by its own LSN; the stream holds them in
+that order) up to ``position`` is in, and of the unit at ``partial_position`` (a transaction
+split over several Kafka transactions), the first ``partial_events`` events.
+
+The slot is confirmed only after the Kafka commit (the tracker hears of each event's
+acknowledgement at the commit). After a crash, replication resumes from the slot's confirmed
+position, which may be behind the checkpoint: the relay skips what the checkpoint says is in.
+``init_transactions`` fences any older producer with the same transactional id and aborts its
+open transaction, so a relay that lost the slot cannot add anything a read_committed
+consumer would see (ARCHITECTURE.md, "Exactly once").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+
+from cdc_relay.errors import DeliveryError, KafkaUnavailableError
+from cdc_relay.lsn import Lsn
+from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
+from cdc_relay.sink import Acked, KafkaSink, Refused
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
+_COMMIT_RETRIES = 10
+
+
+@dataclass(frozen=True)
+class ExactlyOnce:
+    """The settings of exactly-once mode."""
+
+    transactional_id: str
+    checkpoint_topic: str = DEFAULT_CHECKPOINT_TOPIC
+    interval: float = 0.1  # seconds a Kafka transaction stays open at most
+    max_events: int = 10_000  # events in one Kafka transaction at most
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """How far the committed Kafka transactions reach in the replication stream."""
+
+    position: Lsn = 0
+    partial_position: Lsn = 0
+    partial_events: int = 0
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "v": 1,
+                "position": self.position,
+                "partial_position": self.partial_position,
+                "partial_events": self.partial_events,
+            }
+        ).encode()
+
+    @classmethod
+    def decode(cls, value: bytes) -> Checkpoint:
+        fields = json.loads(value)
+        return cls(
+            int(fields["position"]), int(fields["partial_position"]), int(fields["partial_events"])
+        )
+
+
+class Skipper:
+    """Which events of a replay the checkpoint says Kafka has already: call ``unit`` at each
+    unit of the stream, then ``skip`` for each of its events."""
+
+    def __init__(self, checkpoint: Checkpoint) -> None:
+        self.checkpoint = checkpoint
+        self._left = 0  # events of the current unit still to skip
+        self._whole = False
+
+    def unit(self, position: Lsn) -> None:
+        ckpt = self.checkpoint
+        self._whole = position <= ckpt.position
+        self._left = ckpt.partial_events if position == ckpt.partial_position else 0
+
+    def skip(self) -> bool:
+        if self._whole:
+            return True
+        if self._left:
+            self._left -= 1
+            return True
+        return False
+
+
+def transactional_id(slot: str) -> str:
+    """The default transactional id: one per slot, so a relay taking the slot over fences the
+    one before it."""
+    return f"cdc-relay-{slot}"
+
+
+def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> None:
+    """Create the checkpoint topic (compacted, one partition) unless it exists."""
+    admin = AdminClient({k: v for k, v in config.items() if not k.startswith("enable.")})
+    metadata = admin.list_topics(timeout=timeout)
+    if topic in metadata.topics and metadata.topics[topic].error is None:
+        return
+    futures = admin.create_topics(
+        [NewTopic(topic, 1, -1, config={"cleanup.policy": "compact"})],
+        request_timeout=timeout,
+    )
+    try:
+        futures[topic].result(timeout=timeout)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
+            raise KafkaUnavailableError(
+                f"cannot create the checkpoint topic {topic}: {exc.args[0].str()}; create it "
+                "with cleanup.policy=compact, or grant the relay's principal CREATE on it"
+            ) from None
+
+
+def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: float) -> Checkpoint:
+    """The last committed checkpoint of ``key`` (read_committed); an empty one if none."""
+    wanted = {
+        k: v
+        for k, v in config.items()
+        if k.startswith(("bootstrap.", "security.", "ssl.", "sasl.", "client."))
+    }
+    consumer = Consumer(
+        {
+            **wanted,
+            "group.id": f"cdc-relay-checkpoint-{key}",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+        }
+    )
+    found = Checkpoint()
+    try:
+        partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
+        assigned = []
+        ends = {}
+        for partition in partitions:
+            low, high = consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=timeout
+            )
+            if high > low:
+                assigned.append(TopicPartition(topic, partition, low))
+                ends[partition] = high
+        consumer.assign(assigned)
+        deadline = time.monotonic() + timeout
+        while ends:
+            if time.monotonic() > deadline:
+                raise KafkaUnavailableError(
+                    f"could not read the checkpoint topic {topic} within {timeout:g}s"
+                )
+            msg = consumer.poll(0.5)
+            if msg is None:
+                continue
+            error, partition = msg.error(), msg.partition() or 0
+            if error is not None:
+                if error.code() == KafkaError._PARTITION_EOF:
+                    ends.pop(partition, None)
+                    continue
+                raise KafkaUnavailableError(f"reading {topic}: {error.str()}")
+            value = msg.value()
+            if msg.key() == key.encode() and value:
+                found = Checkpoint.decode(value)
+            if (msg.offset() or 0) + 1 >= ends.get(partition, 0):
+                ends.pop(partition, None)
+    finally:
+        consumer.close()
+    return found
+
+
+class TransactionAborted(Exception):
+    """The open transaction could not commit and was aborted: replay from the checkpoint."""
+
+
+class TransactionalSink(KafkaSink):
+    """A sink whose messages count as acknowledged when their Kafka transaction commits,
+    with a checkpoint record in it; ``renew`` aborts the open transaction."""
+
+    def __init__(
+        self,
+        config: Mapping[str, str],
+        on_ack: Acked,
+        on_refused: Refused,
+        transactional_id: str,
+        checkpoint_topic: str,
+        timeout: float = 30.0,
+    ) -> None:
+        settings = {**config, "transactional.id": transactional_id}
+        settings.pop("enable.gapless.guarantee", None)  # an aborted transaction does that job
+        super().__init__(settings, on_ack, on_refused, relay="stream")
+        self._topic = checkpoint_topic
+        self._key = transactional_id.encode()
+        self._timeout = timeout
+        self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
+        self._open = False
+        self.events = 0  # events in the open transaction
+        self.opened = 0.0  # when it began (monotonic)
+        self.committed = 0
+        self.aborted = 0
+        self._initialised = False
+
+    def initialise(self) -> None:
+        """Fence older producers of this transactional id and abort their open transaction."""
+        self._call(self._producer.init_transactions, self._timeout)
+        self._initialised = True
+
+    def offer(self, message: Any, token: Any) -> bool:
+        if self.failure is not None:  # fenced, or failed for good: nothing more goes out
+            raise self.failure
+        if not self._open:
+            self._call(self._producer.begin_transaction)
+            self._open = True
+            self.opened = time.monotonic()
+        accepted = super().offer(message, token)
+        if accepted:
+            self.events += 1
+        return accepted
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        """Commit the open transaction with ``checkpoint``; then its messages are acked."""
+        if not self._open:
+            return
+        try:
+            self._producer.produce(self._topic, checkpoint.encode(), self._key)
+        except KafkaException as exc:
+            self._fail(exc.args[0])
+        for attempt in range(_COMMIT_RETRIES):
+            try:
+                self._producer.commit_transaction(self._timeout)
+                break
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.retriable() and attempt + 1 < _COMMIT_RETRIES:
+                    continue
+                if err.txn_requires_abort():
+                    # Kafka refused a message of it (its report came during the commit's
+                    # flush): abort, and let the caller replay.
+                    self.renew()
+                    raise TransactionAborted(err.str()) from None
+                self._fail(err)
+        self._open = False
+        self.events = 0
+        self.committed += 1
+        KAFKA_TRANSACTIONS.labels(outcome="committed").inc()
+        KAFKA_TRANSACTION_SECONDS.observe(time.monotonic() - self.opened)
+        tokens, self._appended = self._appended, []
+        for token in tokens:
+            self._on_ack(token)
+
+    def renew(self) -> None:
+        """Abort the open transaction: nothing of it becomes visible; its messages are
+        reported refused (purged), and a replay produces them again."""
+        if self._open:
+            self._call(self._producer.abort_transaction, self._timeout)
+            self.aborted += 1
+            KAFKA_TRANSACTIONS.labels(outcome="aborted").inc()
+        self._producer.flush(0)
+        self._appended = []
+        self._open = False
+        self.events = 0
+        self.broken = False
+
+    def close(self) -> int:
+        left = self.events
+        if self._open:
+            try:
+                self._producer.abort_transaction(5.0)
+            except KafkaException:
+                pass  # fenced or gone: nothing of it is visible either way
+        self._producer.flush(0)
+        return left
+
+    def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
+        if err is None:
+            self.connected = True
+            self._appended.append(token)  # acknowledged when the transaction commits
+        else:
+            self._on_refused(token, err)
+
+    def _on_fatal(self, err: KafkaError) -> None:
+        if self.failure is None and _fenced(err):
+            self.failure = _fenced_error()
+        super()._on_fatal(err)
+
+    def _call(self, method: Any, *args: Any) -> None:
+        try:
+            method(*args)
+        except KafkaException as exc:
+            self._fail(exc.args[0])
+
+    def _fail(self, err: KafkaError) -> NoReturn:
+        if self.failure is not None:  # the client said why first (fenced, most often)
+            raise self.failure
+        if _fenced(err):
+            raise _fenced_error()
+        if err.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            raise DeliveryError(
+                f"Kafka refused the transactional id: {err.str()}; grant the relay's principal "
+                "WRITE and DESCRIBE on its transactional id, and IDEMPOTENT_WRITE on the cluster"
+            )
+        raise DeliveryError(
+            f"Kafka transaction failed: {err.str()}; restart the relay: it resumes after the "
+            "last committed checkpoint"
+        )
+
+
+def _fenced(err: KafkaError) -> bool:
+    return err.code() in (
+        KafkaError._FENCED,
+        KafkaError.PRODUCER_FENCED,
+        KafkaError.INVALID_PRODUCER_EPOCH,
+    )
+
+
+def _fenced_error() -> DeliveryError:
+    return DeliveryError(
+        "another relay took over this slot's Kafka transactions (a producer with the same "
+        "transactional id fenced this one); nothing this relay had not committed becomes "
+        "visible; stopping"
+    )
