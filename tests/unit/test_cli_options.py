@@ -19,9 +19,19 @@ REQUIRED = ["--dsn", "host=db.invalid", "--kafka-bootstrap", "kafka.invalid:9092
 
 
 def required(command: click.Command) -> list[str]:
-    """The required options of ``command``, with values that pass."""
+    """The required options and arguments of ``command``, with values that pass."""
     values = dict(zip(REQUIRED[::2], REQUIRED[1::2], strict=True)) | {"--older-than": "1d"}
-    return [arg for p in command.params if p.required for arg in (p.opts[0], values[p.opts[0]])]
+    arguments = {"event_id": "00000000-0000-0000-0000-000000000000", "name": "outbox"}
+    return [
+        arg
+        for p in command.params
+        if p.required
+        for arg in (
+            (arguments[str(p.name)],)
+            if isinstance(p, click.Argument)
+            else (p.opts[0], values[p.opts[0]])
+        )
+    ]
 
 
 def commands(
