@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 import setproctitle
 
-from cdc_relay import __version__, cloudevents, logs, startup
+from cdc_relay import __version__, cloudevents, failover, logs, startup
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -27,7 +27,7 @@ from cdc_relay.config import (
     hide_passwords,
     kafka_settings,
 )
-from cdc_relay.errors import RelayError, UsageError
+from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
 from cdc_relay.exactly_once import transactional_id as eos_id
@@ -343,6 +343,13 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     help="Take over from cdc-relay poll (stopped first): create the slot with an exported "
     "snapshot and publish the rows still unprocessed in it; stream takes the rest.",
 )
+@click.option(
+    "--failover",
+    "failover_slot",
+    is_flag=True,
+    help="Create a failover slot (PostgreSQL 17+), which standbys keep a copy of, and check "
+    "the settings that needs on every host of --dsn.",
+)
 @kafka_options(required=False)
 def setup_slot(
     dsn: str,
@@ -354,6 +361,7 @@ def setup_slot(
     columns: tuple[str, ...],
     dry_run: bool,
     from_poller: bool,
+    failover_slot: bool,
     kafka_bootstrap: str | None,
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
@@ -371,9 +379,20 @@ def setup_slot(
     """
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     specs = _specs(
-        slot, publication, table, shards, plugin=plugin, aggregate_column=aggregate_column
+        slot,
+        publication,
+        table,
+        shards,
+        plugin=plugin,
+        aggregate_column=aggregate_column,
+        failover=failover_slot,
     )
     spec = specs[0]
+    if from_poller and failover_slot:
+        raise UsageError(
+            "--from-poller creates the slot through the replication protocol: set it up, then "
+            "run setup-slot --failover again, which reports how to make the slot fail over"
+        )
     if from_poller and shards is not None:
         raise UsageError(
             "--from-poller hands over to one stream relay: set it up without --shards, then "
@@ -410,6 +429,16 @@ def setup_slot(
             click.echo(f"exists: {line}")
         for line in report.done:
             click.echo(line)
+    if failover_slot and not dry_run:
+        findings = [finding for each in specs for finding in failover.check(dsn, each.slot)]
+        for finding in findings:
+            click.echo(str(finding))
+        missing = sum(finding.level == "missing" for finding in findings)
+        if missing:
+            raise PreflightError(
+                f"the slot would not survive a failover: {missing} setting"
+                f"{'' if missing == 1 else 's'} above missing (each line says what to run)"
+            )
 
 
 @cli.command("drop-slot")
