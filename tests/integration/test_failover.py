@@ -16,7 +16,15 @@ import psycopg
 import pytest
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
-from relaytools import Load, RelayProcess, check, consume, relay_env, wait_until
+from relaytools import (
+    Load,
+    RelayProcess,
+    check,
+    consume,
+    install_poller,
+    relay_env,
+    wait_until,
+)
 
 from cdc_relay.devstack.postgres import LocalPostgres
 from cdc_relay.lsn import parse as parse_lsn
@@ -210,6 +218,68 @@ def test_stream_follows_the_promoted_standby_from_its_synchronised_slot(
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
     assert verdict.duplicates <= unconfirmed
+    assert recovery is not None and recovery < 60
+
+
+def _processed(pair: Pair) -> int:
+    with psycopg.connect(pair.primary.dsn_for(DATABASE)) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox_events WHERE processed_at IS NOT NULL")
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def test_poll_follows_the_promoted_standby_and_sends_again_only_rows_marked_after(
+    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any
+) -> None:
+    install_poller(pair.primary.dsn_for(DATABASE))
+    env = relay_env(pair.dsn, kafka_service.bootstrap, names, poll_interval="1", workers="2")
+    relay = RelayProcess(tmp_path, env, name="poll", command="poll").start()
+    load = Load(pair.dsn, writers=3, pause=0.002, reconnect=True).start()
+    try:
+        wait_until(lambda: _processed(pair) > 3000, 60, "the poller at work on the primary")
+        killed_wall, killed = time.time(), time.monotonic()
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        promoted = time.monotonic()
+        time.sleep(5)
+        written = load.stop()
+    except BaseException:
+        load._stop.set()
+        relay.close()
+        raise
+    try:
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert relay.alive(), relay.log()
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+
+    verdict = check(written, received, names.topic_prefix)
+    with psycopg.connect(pair.standby.dsn_for(DATABASE)) as conn:
+        # created_at: the start of the writing transaction (the mark rewrote the row, so its
+        # xmin is the mark's); one begun after the kill committed on the new primary
+        rows = conn.execute(
+            "SELECT id::text, extract(epoch FROM created_at)::float8,"
+            " extract(epoch FROM processed_at)::float8 FROM outbox_events"
+        ).fetchall()
+    on_new = {event_id for event_id, created, _ in rows if created >= killed_wall}
+    marked_after = {event_id for event_id, _, processed in rows if processed >= killed_wall}
+    counts: dict[str, int] = {}
+    for r in received:
+        counts[r.id] = counts.get(r.id, 0) + 1
+    sent_again = {event_id for event_id, n in counts.items() if n > 1}
+    first_new = min((r.timestamp or 0.0 for r in received if r.id in on_new), default=None)
+    recovery = None if first_new is None else first_new - killed_wall
+    print(
+        f"{verdict} on_old_primary={len(rows) - len(on_new)} on_new_primary={len(on_new)} "
+        f"sent_again={len(sent_again)} marked_after_kill={len(marked_after)} "
+        f"promotion={promoted - killed:.2f} s recovery={recovery and round(recovery, 2)} s"
+    )
+    assert len(on_new) > 100
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    # A row is sent again only if the mark of its first sending died with the old primary.
+    assert sent_again <= marked_after
     assert recovery is not None and recovery < 60
 
 
