@@ -262,3 +262,17 @@ def _standby(node: str, row: dict[str, Any], slot: str, wanted: set[str] | None)
             )
         )
     return out
+
+
+def slot_gone(slot: str, timeline: int | None) -> str | None:
+    """Why ``slot`` is missing when the server is past its first timeline (it was promoted
+    from a standby, or restored), with the remedy; None on timeline 1 or when unknown."""
+    if timeline is None or timeline <= 1:
+        return None
+    return (
+        f"replication slot {slot!r} does not exist on this server, which is on timeline "
+        f"{timeline}: it was promoted from a standby (or restored from a backup) and the slot, "
+        "no failover slot, stayed behind; create it with cdc-relay setup-slot (--failover on "
+        "PostgreSQL 17+) and republish by created_at what was committed since its last "
+        "confirmed position (README: Hot standby and database failover)"
+    )

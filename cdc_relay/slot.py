@@ -400,7 +400,11 @@ def status(
             else None
         )
         database = _one(conn, "server")["database"]
-        problem = slot_problem(slot, slot_name, database) if slot else None
+        problem = (
+            slot_problem(slot, slot_name, database)
+            if slot
+            else failover.slot_gone(slot_name, _one(conn, "timeline").get("timeline"))
+        )
         relays = (
             outbox is not None
             and bool(slot)

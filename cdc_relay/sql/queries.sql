@@ -495,3 +495,9 @@ WHERE slot_name = %(slot)s
 -- physical_slots --
 -- The physical slots of this server: the standbys that may be listed in synchronized_standby_slots
 SELECT slot_name, active FROM pg_replication_slots WHERE slot_type = 'physical' ORDER BY slot_name
+
+-- timeline --
+-- The server's timeline (past 1 once promoted from a standby or restored); NULL on a standby
+SELECT CASE WHEN NOT pg_is_in_recovery()
+            THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
+       END AS timeline

@@ -23,6 +23,8 @@ from relaytools import (
     consume,
     install_poller,
     relay_env,
+    setup_slot,
+    wait_slot,
     wait_until,
 )
 
@@ -281,6 +283,42 @@ def test_poll_follows_the_promoted_standby_and_sends_again_only_rows_marked_afte
     # A row is sent again only if the mark of its first sending died with the old primary.
     assert sent_again <= marked_after
     assert recovery is not None and recovery < 60
+
+
+def test_a_slot_without_failover_is_gone_after_a_promotion_and_stream_and_status_say_so(
+    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any
+) -> None:
+    setup_slot(pair.primary.dsn_for(DATABASE), names)  # no failover: it stays on the primary
+    env = relay_env(pair.dsn, kafka_service.bootstrap, names)
+    relay = RelayProcess(tmp_path, env).start()
+    try:
+        wait_slot(pair.primary.dsn_for(DATABASE), names.slot, active=True)
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        assert relay.wait(120) == 1, relay.log()  # when it reconnects
+        assert "reconnect" in relay.log()
+        relay.start()
+        assert relay.wait(120) == 1, relay.log()  # when it starts
+    finally:
+        relay.close()
+    gone = (
+        f"replication slot '{names.slot}' does not exist on this server, which is on timeline "
+        "2: it was promoted from a standby (or restored from a backup) and the slot, no "
+        "failover slot, stayed behind; create it with cdc-relay setup-slot (--failover on "
+        "PostgreSQL 17+) and republish by created_at what was committed since its last "
+        "confirmed position (README: Hot standby and database failover)"
+    )
+    for run in (1, 2):
+        log = (tmp_path / f"relay-{run}.log").read_text()
+        assert log.strip().splitlines()[-1] == f"cdc-relay: error: {gone}", log
+    status = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "status", "--dsn", pair.dsn, "--slot", names.slot],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert f"ALERT: {gone}" in status.stderr.splitlines(), status.stderr
 
 
 @pytest.mark.pg18
