@@ -430,7 +430,10 @@ def setup_slot(
         for line in report.done:
             click.echo(line)
     if failover_slot and not dry_run:
-        findings = [finding for each in specs for finding in failover.check(dsn, each.slot)]
+        # with --shards the settings' lines repeat for every slot: shown once
+        findings = list(
+            dict.fromkeys(finding for each in specs for finding in failover.check(dsn, each.slot))
+        )
         for finding in findings:
             click.echo(str(finding))
         missing = sum(finding.level == "missing" for finding in findings)
