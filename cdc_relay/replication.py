@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 
+from cdc_relay import failover
 from cdc_relay.errors import PreflightError, RelayError, SlotInUseError
 from cdc_relay.events import PG_EPOCH_OFFSET_US
 from cdc_relay.lsn import Lsn, format_lsn, parse
@@ -130,7 +131,8 @@ class ReplicationConnection:
                 )
             if sqlstate == b"42704":  # undefined_object
                 raise PreflightError(
-                    f"replication slot {slot!r} does not exist; run cdc-relay setup-slot first"
+                    failover.slot_gone(slot, self._timeline())
+                    or f"replication slot {slot!r} does not exist; run cdc-relay setup-slot first"
                 )
             if sqlstate == b"55000":  # object_not_in_prerequisite_state: invalidated
                 raise PreflightError(
@@ -140,6 +142,16 @@ class ReplicationConnection:
                     "last confirmed position (README: Hot standby and database failover)"
                 )
             raise ConnectionLost(f"START_REPLICATION failed: {message}")
+
+    def _timeline(self) -> int | None:
+        """The server's timeline (IDENTIFY_SYSTEM), after a failed command; None if unknown."""
+        while self._conn.get_result() is not None:  # the failed command's remaining results
+            pass
+        try:
+            ((_, timeline, *_),) = self.query("IDENTIFY_SYSTEM")
+            return int(timeline or 0)
+        except (ConnectionLost, ValueError):
+            return None
 
     def read(self, timeout: float) -> XLogData | Keepalive | None:
         """The next message from the server, or None if none came within ``timeout`` seconds."""

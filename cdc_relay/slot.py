@@ -14,7 +14,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from cdc_relay import horizon, schema
+from cdc_relay import failover, horizon, schema
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -41,6 +41,7 @@ class SlotSpec:
     shard: Shard | None = None
     aggregate_column: str = "aggregate_id"
     comment: str | None = None  # put on the publication it creates (reshard's cut)
+    failover: bool = False  # a failover slot, which standbys keep a copy of (PostgreSQL 17+)
 
     def sharded(self, shard: Shard) -> SlotSpec:
         """The spec of ``shard``: its slot and publication, named after these."""
@@ -187,6 +188,11 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
             f"PostgreSQL {server['version']} has no publication row filters, which shards "
             "need; upgrade to PostgreSQL 15 or newer, or stream without --shards"
         )
+    if spec.failover and server["version_num"] < failover.MIN_VERSION_NUM:
+        raise PreflightError(
+            f"PostgreSQL {server['version']} has no failover slots (new in 17); upgrade, or "
+            "run setup-slot without --failover and see README 'Hot standby and database failover'"
+        )
     if spec.shard is not None and spec.plugin != "pgoutput":
         raise PreflightError(
             "shards need the pgoutput plugin (wal2json does not read publications and their "
@@ -294,12 +300,14 @@ def setup(
             params = {"slot": spec.slot, "plugin": spec.plugin}
             report.statements.append(
                 f"SELECT pg_create_logical_replication_slot({sql.quote(spec.slot)}, "
-                f"{sql.quote(spec.plugin)});"
+                f"{sql.quote(spec.plugin)}" + (", failover => true);" if spec.failover else ");")
             )
             if not dry_run:
-                row = conn.execute(QUERIES["create_slot"], params).fetchone()
+                query = QUERIES["create_failover_slot" if spec.failover else "create_slot"]
+                row = conn.execute(query, params).fetchone()
                 lsn = row["lsn"] if row else "?"
-                report.done.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
+                kind = f"{spec.plugin}, failover" if spec.failover else spec.plugin
+                report.done.append(f"created slot {spec.slot} ({kind}) at {lsn}")
     return report
 
 
@@ -407,7 +415,11 @@ def status(
             else None
         )
         database = _one(conn, "server")["database"]
-        problem = slot_problem(slot, slot_name, database) if slot else None
+        problem = (
+            slot_problem(slot, slot_name, database)
+            if slot
+            else failover.slot_gone(slot_name, _one(conn, "timeline").get("timeline"))
+        )
         relays = (
             outbox is not None
             and bool(slot)

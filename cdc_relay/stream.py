@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError
 
-from cdc_relay import pgoutput, wal2json
+from cdc_relay import failover, pgoutput, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.cloudevents import CloudEvents
 from cdc_relay.deadletter import DeadLetters
@@ -747,8 +747,10 @@ class StreamRelay:
             check_encoding(conn.execute(QUERIES["server"]).fetchone() or {})
             slot = conn.execute(QUERIES["slot"], {"slot": settings.slot}).fetchone()
             if not slot:
+                timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
                 raise PreflightError(
-                    f"replication slot {settings.slot!r} does not exist; "
+                    failover.slot_gone(settings.slot, timeline)
+                    or f"replication slot {settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
                 )
             if slot["plugin"] not in PLUGINS:

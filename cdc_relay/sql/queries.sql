@@ -516,3 +516,37 @@ SELECT lsn::text AS lsn FROM pg_copy_logical_replication_slot(%(slot)s, %(copy)s
 -- without consuming them; stops after the transaction in which `limit` changes are reached
 SELECT data
 FROM pg_logical_slot_peek_binary_changes(%(slot)s, NULL, %(limit)s, VARIADIC %(options)s::text[])
+
+-- create_failover_slot --
+-- A logical slot that standbys with sync_replication_slots = on keep a copy of (PostgreSQL 17+)
+SELECT lsn::text
+FROM pg_create_logical_replication_slot(%(slot)s, %(plugin)s, temporary => false,
+                                        twophase => false, failover => true)
+
+-- failover_node --
+-- What failover slots need of this server, as a primary or as a standby (PostgreSQL 17+)
+SELECT pg_is_in_recovery() AS standby,
+       current_setting('server_version_num')::int AS version_num,
+       current_setting('wal_level') AS wal_level,
+       current_setting('synchronized_standby_slots') AS synchronized_standby_slots,
+       current_setting('sync_replication_slots')::bool AS sync_replication_slots,
+       current_setting('hot_standby_feedback')::bool AS hot_standby_feedback,
+       current_setting('primary_slot_name') AS primary_slot_name,
+       -- hidden from roles without superuser or pg_read_all_settings: NULL then
+       (SELECT setting FROM pg_settings WHERE name = 'primary_conninfo') AS primary_conninfo
+
+-- failover_slot --
+-- A slot by name: whether it fails over, and on a standby whether it is a synchronised copy
+SELECT slot_type, failover, synced, temporary, confirmed_flush_lsn::text AS confirmed_flush_lsn
+FROM pg_replication_slots
+WHERE slot_name = %(slot)s
+
+-- physical_slots --
+-- The physical slots of this server: the standbys that may be listed in synchronized_standby_slots
+SELECT slot_name, active FROM pg_replication_slots WHERE slot_type = 'physical' ORDER BY slot_name
+
+-- timeline --
+-- The server's timeline (past 1 once promoted from a standby or restored); NULL on a standby
+SELECT CASE WHEN NOT pg_is_in_recovery()
+            THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
+       END AS timeline

@@ -85,6 +85,7 @@ def test_wal2json_and_pgoutput_slots_put_byte_identical_messages_on_kafka(
     assert _by_topic_suffix(from_w2j, prefix_w2j) == _by_topic_suffix(from_pg, names.topic_prefix)
 
 
+@pytest.mark.pg18
 def test_logical_messages_are_events_and_rolled_back_ones_never_reach_kafka(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -143,6 +144,7 @@ def test_logical_messages_are_events_and_rolled_back_ones_never_reach_kafka(
     assert dict(message.headers)["event_type"] == b"created"
 
 
+@pytest.mark.pg18
 def test_a_debezium_style_outbox_streams_without_migration(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -182,6 +184,7 @@ def test_a_debezium_style_outbox_streams_without_migration(
     assert headers["tenant"] == b"acme"
 
 
+@pytest.mark.pg18
 def test_schema_changes_are_followed_and_a_missing_required_column_stops_cleanly(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -222,6 +225,7 @@ def test_schema_changes_are_followed_and_a_missing_required_column_stops_cleanly
     assert pending_inserts(outbox_db, names.slot, names.publication) == 1
 
 
+@pytest.mark.pg18
 def test_payload_edge_cases(tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any) -> None:
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute("ALTER TABLE outbox_events ALTER payload DROP NOT NULL")

@@ -79,6 +79,7 @@ def unprocessed(dsn: str) -> int:
     return int(count)
 
 
+@pytest.mark.pg18
 def test_poll_and_stream_put_the_same_messages_on_the_wire_in_the_same_order(
     tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -307,6 +308,7 @@ def test_a_row_kafka_refuses_becomes_a_dead_letter_and_a_retried_one_is_delivere
     assert set(verdict.out_of_order) <= failed_once
 
 
+@pytest.mark.pg18
 def test_several_pollers_at_once_publish_every_row_once(
     tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
 ) -> None:

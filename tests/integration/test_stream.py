@@ -40,6 +40,7 @@ def relay(tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any) -> Any
     process.close()
 
 
+@pytest.mark.pg18
 def test_every_event_arrives_with_topic_key_headers_value_in_commit_order(
     relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -133,6 +134,7 @@ def _broker_down(relay: RelayProcess, outbox_db: str, kafka_service: Any, names:
     assert pending_inserts(outbox_db, names.slot, names.publication) == 0
 
 
+@pytest.mark.pg18
 def test_sigkill_mid_stream_loses_nothing_and_duplicates_only_what_was_in_flight(
     relay: RelayProcess, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -402,6 +404,7 @@ def test_event_kafka_refuses_stops_the_relay_and_is_not_confirmed(
     assert pending_inserts(outbox_db, names.slot, names.publication) == 2
 
 
+@pytest.mark.pg18
 def test_postgres_restart_mid_stream_reconnects_by_itself_and_loses_nothing(
     relay: RelayProcess, outbox_db: str, kafka_service: Any, postgres_service: Any, names: Any
 ) -> None:

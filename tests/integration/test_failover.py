@@ -1,0 +1,356 @@
+"""Database failover with failover slots (PostgreSQL 17+, run here on 18): a primary and a
+physical standby that keeps a synchronised copy of the relay's slot; the primary dies, the
+standby is promoted, and the relay, given both hosts, goes on from the copy by itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from relaytools import (
+    Load,
+    RelayProcess,
+    check,
+    consume,
+    install_poller,
+    relay_env,
+    setup_slot,
+    wait_slot,
+    wait_until,
+)
+
+from cdc_relay.devstack.postgres import LocalPostgres
+from cdc_relay.lsn import parse as parse_lsn
+
+pytestmark = pytest.mark.integration
+
+OUTBOX_SQL = Path(__file__).parents[2] / "sql" / "outbox.sql"
+STANDBY = "standby1"  # the standby's physical slot and application_name
+DATABASE = "outbox"
+
+
+@dataclass
+class Pair:
+    primary: LocalPostgres
+    standby: LocalPostgres
+
+    @property
+    def dsn(self) -> str:
+        """Both hosts; libpq picks the one that accepts writes."""
+        return (
+            f"host=127.0.0.1,127.0.0.1 port={self.primary.port},{self.standby.port} "
+            f"user=postgres dbname={DATABASE} target_session_attrs=read-write"
+        )
+
+
+def _start_pair(base: Path, bindir: Path, primary_settings: dict[str, str]) -> Pair:
+    """A primary, a database with the outbox, a standby; then ``primary_settings`` on the
+    primary (a synchronous standby that does not exist yet would hold every commit)."""
+    # commit timestamps tell which events the new primary committed
+    primary = LocalPostgres(
+        base / "primary", bindir=bindir, settings={"track_commit_timestamp": "on"}
+    ).start()
+    with psycopg.connect(primary.dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {DATABASE}")
+        conn.execute("SELECT pg_create_physical_replication_slot(%s)", [STANDBY])
+    with psycopg.connect(primary.dsn_for(DATABASE), autocommit=True) as conn:
+        conn.execute(OUTBOX_SQL.read_bytes())
+    standby = LocalPostgres(
+        base / "standby",
+        standby_of=primary,
+        settings={
+            "primary_slot_name": STANDBY,
+            "hot_standby_feedback": "on",
+            "sync_replication_slots": "on",
+            "track_commit_timestamp": "on",
+            # slot synchronisation needs a database in primary_conninfo
+            "primary_conninfo": make_conninfo(primary.dsn_for(DATABASE), application_name=STANDBY),
+        },
+    )
+    standby.start()
+    with psycopg.connect(primary.dsn, autocommit=True) as conn:
+        for name, value in primary_settings.items():
+            conn.execute(sql.SQL("ALTER SYSTEM SET {} = {}").format(sql.SQL(name), value))
+        conn.execute("SELECT pg_reload_conf()")
+    return Pair(primary, standby)
+
+
+@pytest.fixture
+def pair(tmp_path: Path, pg18_bin: Path) -> Iterator[Pair]:
+    """A PostgreSQL 18 primary with a synchronous standby, set up for failover slots."""
+    pair = _start_pair(
+        tmp_path,
+        pg18_bin,
+        {
+            # COMMIT returns once the standby has flushed the commit: what the application was
+            # told committed survives the primary's death (asynchronous replication would lose
+            # the last commits, in PostgreSQL, before any relay sees them).
+            "synchronous_standby_names": STANDBY,
+            # the relay gets no change the standby has not received: the copy of the slot is
+            # never behind what Kafka holds
+            "synchronized_standby_slots": STANDBY,
+        },
+    )
+    try:
+        yield pair
+    finally:
+        pair.standby.cleanup(keep_logs=True)
+        pair.primary.cleanup(keep_logs=True)
+
+
+def _setup_slot(dsn: str, names: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cdc_relay",
+            "setup-slot",
+            "--failover",
+            "--dsn",
+            dsn,
+            "--slot",
+            names.slot,
+            "--publication",
+            names.publication,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _copy(standby: LocalPostgres, slot: str) -> tuple[bool, str | None]:
+    """Whether the standby holds a synchronised copy of ``slot``, and its confirmed position."""
+    with psycopg.connect(standby.dsn_for(DATABASE), autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT synced AND NOT temporary, confirmed_flush_lsn::text"
+            " FROM pg_replication_slots WHERE slot_name = %s",
+            [slot],
+        ).fetchone()
+    return (bool(row[0]), row[1]) if row else (False, None)
+
+
+def _synchronised(pair: Pair, slot: str) -> bool:
+    """Whether the standby's copy of ``slot`` is synchronised (it would survive a promotion).
+
+    The standby keeps its copy temporary until the primary's slot has moved its restart
+    position past what the copy reserved, which needs a running-transactions record in the
+    WAL: the primary writes one every 15 s; this asks for one now, to wait less.
+    """
+    with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_log_standby_snapshot()")
+    return _copy(pair.standby, slot)[0]
+
+
+def test_stream_follows_the_promoted_standby_from_its_synchronised_slot(
+    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any
+) -> None:
+    created = _setup_slot(pair.dsn, names)
+    print(created.stdout)
+    assert created.returncode == 0, created.stdout + created.stderr
+    assert f"ok: slot {names.slot} has failover = true" in created.stdout
+    assert "missing" not in created.stdout
+
+    relay = RelayProcess(tmp_path, relay_env(pair.dsn, kafka_service.bootstrap, names)).start()
+    streaming = time.monotonic()
+    load = Load(pair.dsn, writers=3, pause=0.002, reconnect=True).start()
+    try:
+        wait_until(lambda: _synchronised(pair, names.slot), 60, "a synchronised copy")
+        again = _setup_slot(pair.dsn, names)  # idempotent; now it sees the copy
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert f"ok: holds a synchronised copy of slot {names.slot}" in again.stdout
+        time.sleep(3)  # the relay streams under load
+
+        # The copy's position just before the kill: the copy can only move on from there, so
+        # what the relay may send again is bounded by what committed after it.
+        _, copy_confirmed = _copy(pair.standby, names.slot)
+        assert copy_confirmed is not None
+        print(f"copy synchronised {time.monotonic() - streaming:.1f} s after the relay started")
+        killed_wall, killed = time.time(), time.monotonic()
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        promoted = time.monotonic()
+        print(f"promoted {promoted - killed:.2f} s after the kill; copy at {copy_confirmed}")
+        time.sleep(5)  # the writers go on against the new primary
+        written = load.stop()
+    except BaseException:
+        load._stop.set()  # the writers' threads end; the test's error is the one to show
+        relay.close()
+        raise
+    try:
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert relay.alive(), relay.log()
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+
+    verdict = check(written, received, names.topic_prefix)
+    # Which primary committed each event: a writer that lost its connection at a COMMIT looks
+    # the transaction up afterwards, so its own clock cannot tell.
+    with psycopg.connect(pair.standby.dsn_for(DATABASE)) as conn:
+        committed = dict(
+            conn.execute(
+                "SELECT id::text, extract(epoch FROM pg_xact_commit_timestamp(xmin))::float8"
+                " FROM outbox_events"
+            ).fetchall()
+        )
+    on_old = [w for w in written if committed[w.id] < killed_wall]
+    on_new = {w.id for w in written if committed[w.id] >= killed_wall}
+    unconfirmed = sum(w.after_commit_lsn > parse_lsn(copy_confirmed) for w in on_old)
+    first_new = min((r.timestamp or 0.0 for r in received if r.id in on_new), default=None)
+    recovery = None if first_new is None else first_new - killed_wall
+    print(
+        f"{verdict} on_old_primary={len(on_old)} on_new_primary={len(on_new)} "
+        f"unconfirmed_at_kill={unconfirmed} promotion={promoted - killed:.2f} s "
+        f"recovery={recovery and round(recovery, 2)} s (kill to the first event the new "
+        "primary committed on Kafka)"
+    )
+    assert "reconnected" in relay.log()
+    assert len(on_old) > 100 and len(on_new) > 100
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert verdict.duplicates <= unconfirmed
+    assert recovery is not None and recovery < 60
+
+
+def _processed(pair: Pair) -> int:
+    with psycopg.connect(pair.primary.dsn_for(DATABASE)) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox_events WHERE processed_at IS NOT NULL")
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def test_poll_follows_the_promoted_standby_and_sends_again_only_rows_marked_after(
+    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any
+) -> None:
+    install_poller(pair.primary.dsn_for(DATABASE))
+    env = relay_env(pair.dsn, kafka_service.bootstrap, names, poll_interval="1", workers="2")
+    relay = RelayProcess(tmp_path, env, name="poll", command="poll").start()
+    load = Load(pair.dsn, writers=3, pause=0.002, reconnect=True).start()
+    try:
+        wait_until(lambda: _processed(pair) > 3000, 60, "the poller at work on the primary")
+        killed_wall, killed = time.time(), time.monotonic()
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        promoted = time.monotonic()
+        time.sleep(5)
+        written = load.stop()
+    except BaseException:
+        load._stop.set()
+        relay.close()
+        raise
+    try:
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert relay.alive(), relay.log()
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+
+    verdict = check(written, received, names.topic_prefix)
+    with psycopg.connect(pair.standby.dsn_for(DATABASE)) as conn:
+        # created_at: the start of the writing transaction (the mark rewrote the row, so its
+        # xmin is the mark's); one begun after the kill committed on the new primary
+        rows = conn.execute(
+            "SELECT id::text, extract(epoch FROM created_at)::float8,"
+            " extract(epoch FROM processed_at)::float8 FROM outbox_events"
+        ).fetchall()
+    on_new = {event_id for event_id, created, _ in rows if created >= killed_wall}
+    marked_after = {event_id for event_id, _, processed in rows if processed >= killed_wall}
+    counts: dict[str, int] = {}
+    for r in received:
+        counts[r.id] = counts.get(r.id, 0) + 1
+    sent_again = {event_id for event_id, n in counts.items() if n > 1}
+    first_new = min((r.timestamp or 0.0 for r in received if r.id in on_new), default=None)
+    recovery = None if first_new is None else first_new - killed_wall
+    print(
+        f"{verdict} on_old_primary={len(rows) - len(on_new)} on_new_primary={len(on_new)} "
+        f"sent_again={len(sent_again)} marked_after_kill={len(marked_after)} "
+        f"promotion={promoted - killed:.2f} s recovery={recovery and round(recovery, 2)} s"
+    )
+    assert len(on_new) > 100
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    # A row is sent again only if the mark of its first sending died with the old primary.
+    assert sent_again <= marked_after
+    assert recovery is not None and recovery < 60
+
+
+def test_a_slot_without_failover_is_gone_after_a_promotion_and_stream_and_status_say_so(
+    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any
+) -> None:
+    setup_slot(pair.primary.dsn_for(DATABASE), names)  # no failover: it stays on the primary
+    env = relay_env(pair.dsn, kafka_service.bootstrap, names)
+    relay = RelayProcess(tmp_path, env).start()
+    try:
+        wait_slot(pair.primary.dsn_for(DATABASE), names.slot, active=True)
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        assert relay.wait(120) == 1, relay.log()  # when it reconnects
+        assert "reconnect" in relay.log()
+        relay.start()
+        assert relay.wait(120) == 1, relay.log()  # when it starts
+    finally:
+        relay.close()
+    gone = (
+        f"replication slot '{names.slot}' does not exist on this server, which is on timeline "
+        "2: it was promoted from a standby (or restored from a backup) and the slot, no "
+        "failover slot, stayed behind; create it with cdc-relay setup-slot (--failover on "
+        "PostgreSQL 17+) and republish by created_at what was committed since its last "
+        "confirmed position (README: Hot standby and database failover)"
+    )
+    for run in (1, 2):
+        log = (tmp_path / f"relay-{run}.log").read_text()
+        assert log.strip().splitlines()[-1] == f"cdc-relay: error: {gone}", log
+    status = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "status", "--dsn", pair.dsn, "--slot", names.slot],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert f"ALERT: {gone}" in status.stderr.splitlines(), status.stderr
+
+
+@pytest.mark.pg18
+def test_setup_slot_failover_says_what_is_missing_in_one_line_each(
+    outbox_db: str, names: Any
+) -> None:
+    with psycopg.connect(outbox_db) as conn:
+        row = conn.execute("SELECT current_setting('server_version_num')::int").fetchone()
+    assert row is not None
+    result = _setup_slot(outbox_db, names)
+    output = result.stdout + result.stderr
+    print(output)
+    assert result.returncode == 1, output
+    if row[0] < 170000:
+        (line,) = output.strip().splitlines()
+        assert line.startswith("cdc-relay: error: PostgreSQL 1")
+        assert line.endswith(
+            " has no failover slots (new in 17); upgrade, or run setup-slot without --failover "
+            "and see README 'Hot standby and database failover'"
+        )
+        return
+    # A lone server: the slot is made, and what a standby would need is reported.
+    assert f"ok: slot {names.slot} has failover = true" in output
+    assert (
+        "missing: synchronized_standby_slots is empty, so the relay may get changes no standby "
+        "has yet; ALTER SYSTEM SET synchronized_standby_slots = '<the standby slot>'; "
+        "SELECT pg_reload_conf()"
+    ) in output
+    assert "note: no standby among the hosts of --dsn" in output
+    assert "1 setting above missing" in output.splitlines()[-1]
+    with psycopg.connect(outbox_db) as conn:
+        failover = conn.execute(
+            "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", [names.slot]
+        ).fetchone()
+    assert failover == (True,)
