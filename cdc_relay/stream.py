@@ -777,13 +777,13 @@ class StreamRelay:
                 )
                 if problem:
                     raise PreflightError(problem)
-            if settings.shard is not None:
-                self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             elif table.partitioned:
                 raise PreflightError(
                     f"{table.qualified} is partitioned, and wal2json names each row by its "
                     "partition; use a pgoutput slot (cdc-relay setup-slot --plugin pgoutput)"
                 )
+            if settings.shard is not None:
+                self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             if self.dead_letters is not None:
                 self.dead_letters.check(conn)
             row = conn.execute(QUERIES["bytea_types"]).fetchone()
