@@ -164,7 +164,9 @@ class StreamShards(Contestant):
             raise RuntimeError(f"cdc-relay setup-slot failed: {result.stdout}{result.stderr}")
 
     def command(self, trial: Trial) -> tuple[list[str], dict[str, str]]:
-        return [sys.executable, "-m", "bench.shards", str(self.count)], _relay_env(trial)
+        # By path: the trial's working folder is not the repository's.
+        launcher = Path(__file__).with_name("shards.py")
+        return [sys.executable, str(launcher), str(self.count)], _relay_env(trial)
 
 
 class Poll(Contestant):

@@ -1,4 +1,4 @@
-"""``python -m bench.shards N``: the N relays of a sharded outbox as one contestant.
+"""``python bench/shards.py N``: the N relays of a sharded outbox as one contestant.
 
 Starts ``cdc-relay stream --shard K/N`` for every K with the environment it was given, passes
 SIGTERM and SIGINT on to them, and exits when they all have (with the worst exit code). The
