@@ -32,6 +32,8 @@ from relaytools import (
     wait_until,
 )
 
+from cdc_relay import schema
+
 pytestmark = pytest.mark.integration
 
 
@@ -608,14 +610,15 @@ def test_a_table_changed_under_the_poller_stops_it_with_one_line_and_nothing_mar
 # -- the outbox table however --table names it -----------------------------------------------
 
 
-def _outbox_in_schema(dsn: str, schema: str) -> str:
-    """A second outbox, with sql/poller.sql, in ``schema``; returns a DSN that finds it first."""
+def _outbox_in_schema(dsn: str, name: str) -> str:
+    """A second outbox, with sql/poller.sql, in schema ``name``; returns a DSN that finds it
+    first."""
     with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(schema)))
-        conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("CREATE SCHEMA {}").format(sql.Identifier(name)))
+        conn.execute(sql.SQL("SET search_path = {}").format(sql.Identifier(name)))
         conn.execute(schema.text("outbox").encode())
         conn.execute(schema.text("poller").encode())
-    return make_conninfo(dsn, options=f"-csearch_path={schema}")
+    return make_conninfo(dsn, options=f"-csearch_path={name}")
 
 
 @pytest.mark.parametrize(
