@@ -18,6 +18,7 @@ consumer would see (ARCHITECTURE.md, "Exactly once").
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -299,7 +300,12 @@ class TransactionalSink(KafkaSink):
             self._fail(exc.args[0])
 
     def _fail(self, err: KafkaError) -> NoReturn:
-        if self.failure is not None:  # the client said why first (fenced, most often)
+        if self.failure is None and err.code() == KafkaError._FATAL:
+            # "Fatal error" alone: the error callback that says why (fenced, most often) may
+            # not have been served yet
+            with contextlib.suppress(KafkaException):
+                self._producer.poll(0)
+        if self.failure is not None:  # the client said why first
             raise self.failure
         if _fenced(err):
             raise _fenced_error()
