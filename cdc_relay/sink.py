@@ -17,6 +17,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
+from cdc_relay.outage import KAFKA
 from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,15 @@ def producer_config(bootstrap: str, overrides: Mapping[str, str]) -> dict[str, s
 
 # Answers that no retry will change: start-up stops at once with the broker's reason.
 _REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
+# A connection failed: one broker of several may be away (librdkafka reconnects), so only the
+# reason is kept, for the outage's line when no broker is left (outage.py).
+_CONNECTION_FAILED = (KafkaError._TRANSPORT, KafkaError._RESOLVE)
+
+
+def _reason(err: KafkaError) -> str:
+    """librdkafka's text without the broker's name before it and the timing after it."""
+    return re.sub(r"^\S+/\S+: | \(after \d+ms in state \w+.*\)$", "", err.str())
+
 
 Acked = Callable[[Any], None]
 Refused = Callable[[Any, KafkaError], None]
@@ -141,7 +151,6 @@ class KafkaSink:
         settings or credentials (at once: waiting would not change its answer)."""
         deadline = time.monotonic() + timeout
         self._checking = True
-        _KAFKA_LOG.addFilter(_connection_failures)
         try:
             while True:
                 try:
@@ -154,14 +163,12 @@ class KafkaSink:
                         raise KafkaUnavailableError(self._unreachable(timeout)) from None
         finally:
             self._checking = False
-            _KAFKA_LOG.removeFilter(_connection_failures)
         self.connected = True
 
     def _unreachable(self, timeout: float) -> str:
         where = self._config["bootstrap.servers"]
         err = self._last_error
-        # librdkafka's text without the broker's name before it and the timing after it
-        reason = re.sub(r"^\S+/\S+: | \(after \d+ms in state \w+\)$", "", err.str()) if err else ""
+        reason = _reason(err) if err else ""
         if err is not None and err.code() == KafkaError._AUTHENTICATION:
             return (
                 f"Kafka at {where} refused the relay's credentials: {reason}; check "
@@ -246,6 +253,7 @@ class KafkaSink:
     def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
         if err is None:
             self.connected = True
+            KAFKA.back()
             self._on_ack(token)
         else:
             self._on_refused(token, err)
@@ -256,13 +264,30 @@ class KafkaSink:
         except ValueError:
             return
         self.connected = any(b.get("state") == "UP" and b.get("nodeid", -1) >= 0 for b in brokers)
+        if self.connected:
+            KAFKA.back()
+        else:
+            KAFKA.waiting(len(self._producer))
 
     def _on_error(self, err: KafkaError) -> None:
         # While start-up checks the broker, errors go into its exception, not into the log.
-        if err.code() == KafkaError._ALL_BROKERS_DOWN:
-            self.connected = False
+        code = err.code()
+        if code in _CONNECTION_FAILED:
+            self._last_error = err
             if not self._checking:
-                log.warning("kafka unreachable, retrying", extra={"action": "kafka_down"})
+                KAFKA.noted(_reason(err))
+        elif code == KafkaError._ALL_BROKERS_DOWN or code in _REFUSALS:
+            if code == KafkaError._ALL_BROKERS_DOWN:
+                self.connected = False
+            else:
+                self._last_error = err
+            if not self._checking:
+                # librdkafka's text for it ("1/1 brokers are down") can be stale: "0/1 ..."
+                KAFKA.failed(
+                    "no broker connection is up"
+                    if code == KafkaError._ALL_BROKERS_DOWN
+                    else _reason(err)
+                )
         elif err.fatal():
             self._on_fatal(err)
         else:
@@ -288,6 +313,25 @@ _KAFKA_LOG.addFilter(_gapless_warning)
 
 
 def _connection_failures(record: logging.LogRecord) -> bool:
-    """False for librdkafka's lines about a failed connection (facility FAIL), kept out of the
-    log while start-up checks the broker: the check's error tells the reason once."""
+    """False for librdkafka's lines about a failed connection (facility FAIL): the error
+    callback reports the same failures, to the start-up check's message or to the outage's
+    log (outage.py), which says it once instead of once per attempt of every producer."""
     return not (isinstance(record.args, tuple) and record.args[:1] == ("FAIL",))
+
+
+_KAFKA_LOG.addFilter(_connection_failures)
+
+
+def _leader_not_cached(record: logging.LogRecord) -> bool:
+    """False for librdkafka's line that a partition's new leader is not in its metadata cache
+    yet, printed per partition and per refresh while a broker comes back: it refreshes the
+    metadata until it is, and the outage's line tells when Kafka is back."""
+    args = record.args
+    return not (
+        isinstance(args, tuple)
+        and args[:1] == ("METADATAUPDATE",)
+        and "not found in cache" in str(args[-1])
+    )
+
+
+_KAFKA_LOG.addFilter(_leader_not_cached)
