@@ -27,19 +27,15 @@ from cdc_relay.config import (
     hide_passwords,
     kafka_settings,
 )
+from cdc_relay.deadletter import dead_letters, retry_dead_letters
 from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
 from cdc_relay.exactly_once import transactional_id as eos_id
+from cdc_relay.handover import handover
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
-from cdc_relay.poller import (
-    PollRelay,
-    PollSettings,
-    dead_letters,
-    handover,
-    retry_dead_letters,
-)
+from cdc_relay.poller import PollRelay, PollSettings
 from cdc_relay.prune import prune_confirmed, prune_processed
 from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.shards import MAX_SHARDS, Shard, every_shard

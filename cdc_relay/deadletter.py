@@ -1,14 +1,19 @@
-"""Dead letters of the stream: an event Kafka refused for good (``--dead-letter-topic``).
+"""Dead letters: events Kafka refused for good.
 
-Its whole content goes to the table ``cdc_relay_dead_letters`` (cdc-relay schema outbox) before
-the slot moves past it, then to the dead-letter topic: with the payload when the topic takes it,
-without when the payload is what Kafka refused. So no event's content exists nowhere, whatever
-the row or the logical message it came from becomes.
+The stream's (``--dead-letter-topic``): its whole content goes to the table
+``cdc_relay_dead_letters`` (cdc-relay schema outbox) before the slot moves past it, then to the
+dead-letter topic: with the payload when the topic takes it, without when the payload is what
+Kafka refused. So no event's content exists nowhere, whatever the row or the logical message
+it came from becomes.
+
+The poller's: rows it gave up on after --max-attempts, parked in the outbox (retry_after =
+'infinity'), listed and queued again by ``cdc-relay dead-letters``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -17,9 +22,11 @@ from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
+from cdc_relay.poller import refused, resolve
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost
 from cdc_relay.routing import Message
+from cdc_relay.slot import connect
 
 TABLE = "cdc_relay_dead_letters"
 
@@ -88,3 +95,30 @@ class DeadLetters:
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+# -- the poller's: rows parked in the outbox ------------------------------------------------
+
+
+def dead_letters(dsn: str, table: str, limit: int) -> list[dict[str, Any]]:
+    """The oldest ``limit`` dead letters."""
+    with connect(dsn) as conn:
+        outbox = resolve(conn, table)
+        with refused(outbox, "the dead-letter query"):
+            return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
+
+
+def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[str]:
+    """Put dead letters (those of ``ids``, or all) back in the queue; wake the pollers.
+
+    Returns the ids that were dead letters and are queued again.
+    """
+    with connect(dsn) as conn:
+        outbox = resolve(conn, table)
+        with refused(outbox, "the retry of dead letters"), conn.transaction():
+            rows = conn.execute(
+                outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
+            ).fetchall()
+            if rows:
+                conn.execute(QUERIES["notify"], {"channel": outbox.channel})
+    return [row["id"] for row in rows]

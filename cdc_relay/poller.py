@@ -14,32 +14,28 @@ Every command resolves ``--table`` once (:func:`resolve`) and names the table by
 name from then on. Every poller connection holds the table's advisory lock, shared, before
 it claims; the handover to ``stream`` holds it exclusively, so the two never run together.
 
-Also here: the dead-letter commands and the handover to ``stream``; prune.py prunes.
+Beside it: publisher.py publishes a batch, deadletter.py lists and retries the rows given up on,
+handover.py hands over to ``stream``, prune.py prunes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from types import FrameType, TracebackType
 from typing import Any
 
 import psycopg
-from confluent_kafka import KafkaError
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import class_row, dict_row
 
 from cdc_relay.cloudevents import CloudEvents
-from cdc_relay.errors import DeliveryError, PreflightError, RelayError
+from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -49,10 +45,9 @@ from cdc_relay.metrics import (
     EVENTS_PUBLISHED,
     Health,
 )
+from cdc_relay.publisher import WAIT_SLICE, Publisher
 from cdc_relay.queries import QUERIES
-from cdc_relay.routing import Message, Router
-from cdc_relay.sink import KafkaSink
-from cdc_relay.slot import OutboxTable, SlotSpec, connect, exported_snapshot, find_table, setup
+from cdc_relay.slot import OutboxTable, connect, find_table
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +60,6 @@ oid (``pg_locks.objid``)."""
 
 _RECONNECT_BASE = 0.5  # seconds before reconnecting to PostgreSQL, doubling up to the max
 _RECONNECT_MAX = 10.0
-_WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka
 
 
 @dataclass(frozen=True)
@@ -132,7 +126,7 @@ class OutboxRow:
         )
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else "no message"
 
@@ -195,7 +189,7 @@ def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
         raise
     except psycopg.DatabaseError as exc:  # e.g. a name with too many dots
         raise PreflightError(
-            f"--table {table!r} is not a table name PostgreSQL reads: {_first_line(exc)}"
+            f"--table {table!r} is not a table name PostgreSQL reads: {first_line(exc)}"
         ) from None
     if found is None:
         raise PreflightError(
@@ -211,7 +205,7 @@ def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
     )
 
 
-def _check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> None:
+def check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> None:
     missing = conn.execute(QUERIES["poll_columns"], {"oid": outbox.table.oid})
     columns = (missing.fetchone() or {}).get("missing")
     if columns:
@@ -266,7 +260,7 @@ def _refusal(exc: psycopg.DatabaseError, outbox: Outbox, doing: str) -> RelayErr
         remedy = "fix the cause"
     sqlstate = f" (SQLSTATE {code})" if code else ""
     return RelayError(
-        f"PostgreSQL refused {doing} on {outbox.qualified}: {_first_line(exc)}{sqlstate}; "
+        f"PostgreSQL refused {doing} on {outbox.qualified}: {first_line(exc)}{sqlstate}; "
         f"{remedy}, then run it again"
     )
 
@@ -312,121 +306,6 @@ def _take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
         f"{outbox.qualified}{by}; a poller must not run beside it: when the handover has "
         "finished, run cdc-relay stream; if it failed, start the poller again"
     )
-
-
-def _failure(err: KafkaError) -> str:
-    return f"{err.name()}: {err.str()}"
-
-
-class Publisher:
-    """Produces rows through one sink and collects each one's delivery report.
-
-    Order per aggregate: rows are produced in the order given, and once a row is known to have
-    failed, the later rows of its aggregate in the batch are held back (left for a later
-    claim, which waits for the failed row). A row that failed before is sent on its own,
-    between waits: Kafka refuses a whole request for one oversized message, so a poison row
-    must not share one with healthy rows twice, and its fate is known before its aggregate's
-    next row goes.
-    """
-
-    def __init__(self, settings: PollSettings) -> None:
-        self.router = Router(
-            settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
-        )
-        self.sink = KafkaSink(
-            settings.kafka_config, on_ack=self._acked, relay="poll", on_refused=self._refused
-        )
-        self.acked: set[int] = set()
-        self.refused: dict[int, str] = {}
-        self.held: list[int] = []
-        self._unreported: set[int] = set()  # produced, no report yet
-        self._producer = 0  # tokens are (producer, index): reports of a dropped one are stale
-        self._rows: Sequence[OutboxRow] = ()
-        self._failed: set[tuple[str, str]] = set()  # aggregates with a failed row
-
-    @property
-    def outstanding(self) -> int:
-        """Rows produced whose delivery report has not come."""
-        return len(self._unreported)
-
-    def _acked(self, token: tuple[int, int]) -> None:
-        producer, index = token
-        if producer == self._producer:
-            self._unreported.discard(index)
-            self.acked.add(index)
-
-    def _refused(self, token: tuple[int, int], err: KafkaError) -> None:
-        producer, index = token
-        if producer == self._producer:
-            self._unreported.discard(index)
-            self._fail(index, _failure(err))
-
-    def _fail(self, index: int, error: str) -> None:
-        self.refused[index] = error
-        self._failed.add(self._rows[index].aggregate)
-
-    def publish(self, rows: Sequence[OutboxRow], give_up: Callable[[], bool]) -> bool:
-        """Produce ``rows`` and wait for their reports; False if ``give_up`` said so first
-        (the rows without a report are then neither acknowledged nor refused)."""
-        # Tokens hold row indexes: no report of an earlier batch may still come.
-        if not self.wait(give_up):
-            return False
-        self.acked.clear()
-        self.refused.clear()
-        self.held.clear()
-        self._failed.clear()
-        self._rows = rows
-        for index, row in enumerate(rows):
-            if row.attempts and not self.wait(give_up):
-                return False
-            if row.aggregate in self._failed:
-                self.held.append(index)
-                continue
-            try:
-                message = self.router.route(row.event())
-            except RelayError as exc:  # no legal topic, no payload: the row's fault
-                self._fail(index, str(exc))
-                continue
-            if not self._offer(message, index, give_up):
-                return False
-            if row.attempts and not self.wait(give_up):
-                return False
-        return self.wait(give_up)
-
-    def _offer(self, message: Message, index: int, give_up: Callable[[], bool]) -> bool:
-        self._unreported.add(index)
-        while not self.sink.offer(message, (self._producer, index)):
-            self.sink.poll(_WAIT_SLICE)  # the producer's queue is full: let it drain
-            if give_up():
-                self._unreported.discard(index)
-                return False
-        return True
-
-    def wait(self, give_up: Callable[[], bool]) -> bool:
-        """Serve delivery reports until none is outstanding; False if ``give_up`` came first.
-
-        While the broker is down, this waits: the producer retries until it is back.
-        """
-        while self.outstanding:
-            self.sink.settle(_WAIT_SLICE)
-            self.sink.poll(0)  # raises on a fatal producer error
-            if self.sink.broken and self.outstanding:
-                self.sink.settle(_WAIT_SLICE)  # the refused batch's reports, with Kafka's answer
-                if self.outstanding:
-                    self._renew()
-            if self.outstanding and give_up():
-                return False
-        return True
-
-    def _renew(self) -> None:
-        """After a refused batch the producer stops (the gapless guarantee) and does not report
-        what it still holds: a new one takes over, and the rows the old one held failed too (a
-        later try, behind which their aggregates wait). A report it still gives is ignored."""
-        self.sink.renew()
-        self._producer += 1
-        for index in sorted(self._unreported):
-            self._fail(index, "not sent: the producer stopped after Kafka refused a batch")
-        self._unreported.clear()
 
 
 class Wake:
@@ -508,7 +387,7 @@ class Worker:
                         "try in %.1fs. After a failover this ends once --dsn reaches the new "
                         "primary; a database made read-only (default_transaction_read_only) "
                         "must be made writable again",
-                        _first_line(exc),
+                        first_line(exc),
                         delay,
                         extra={"action": "read_only"},
                     )
@@ -516,7 +395,7 @@ class Worker:
                     log.warning(
                         "lost the database connection, reconnecting in %.1fs: %s",
                         delay,
-                        _first_line(exc),
+                        first_line(exc),
                         extra={"action": "disconnected"},
                     )
                 self._drop_connection()
@@ -730,7 +609,7 @@ class PollRelay:
         """The table has the poller's columns and no handover runs on it; returns it."""
         with connect(self.conninfo) as conn:
             outbox = resolve(conn, self.settings.table)
-            _check_columns(conn, outbox)
+            check_columns(conn, outbox)
             trigger = conn.execute(QUERIES["poll_trigger"], {"oid": outbox.table.oid})
             if not (trigger.fetchone() or {}).get("present"):
                 log.warning(
@@ -756,14 +635,14 @@ class PollRelay:
                     self.wake.notify()  # whatever was written while nobody listened
                     failures = 0
                     while not self.stopping.is_set():
-                        for _ in conn.notifies(timeout=_WAIT_SLICE * 5):
+                        for _ in conn.notifies(timeout=WAIT_SLICE * 5):
                             self.wake.notify()
             except psycopg.DatabaseError as exc:
                 # A standby refuses LISTEN (read-only): wait for the primary, as the workers do.
                 if _kind(exc) == _REFUSED:
                     self.fail(_refusal(exc, outbox, "LISTEN"))
                     return
-                log.warning("listener: %s", _first_line(exc), extra={"action": "disconnected"})
+                log.warning("listener: %s", first_line(exc), extra={"action": "disconnected"})
             self._listening = False
             failures += 1
             self.stopping.wait(backoff(failures, _RECONNECT_BASE, _RECONNECT_MAX))
@@ -808,251 +687,3 @@ def _pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
             return conn.execute(outbox.query("pending_counts")).fetchone()
     except psycopg.DatabaseError:
         return None
-
-
-# -- dead letters ---------------------------------------------------------------------------
-
-
-def dead_letters(dsn: str, table: str, limit: int) -> list[dict[str, Any]]:
-    """The oldest ``limit`` dead letters."""
-    with connect(dsn) as conn:
-        outbox = resolve(conn, table)
-        with refused(outbox, "the dead-letter query"):
-            return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
-
-
-def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[str]:
-    """Put dead letters (those of ``ids``, or all) back in the queue; wake the pollers.
-
-    Returns the ids that were dead letters and are queued again.
-    """
-    with connect(dsn) as conn:
-        outbox = resolve(conn, table)
-        with refused(outbox, "the retry of dead letters"), conn.transaction():
-            rows = conn.execute(
-                outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
-            ).fetchall()
-            if rows:
-                conn.execute(QUERIES["notify"], {"channel": outbox.channel})
-    return [row["id"] for row in rows]
-
-
-# -- handing over to stream -----------------------------------------------------------------
-
-
-@dataclass
-class Handover:
-    """What the handover did, in sentences for the user."""
-
-    lines: list[str]
-
-
-@dataclass
-class _Progress:
-    """How far a handover went, for the message that says it was undone."""
-
-    published: int = 0  # published and marked processed
-    copying: bool = False  # making the slot permanent: done or not, all rows are marked
-
-
-def handover(settings: PollSettings, spec: SlotSpec) -> Handover:
-    """Switch from the poller to ``stream`` with no gap and no overlap.
-
-    Creates a temporary slot with an exported snapshot, publishes the rows still unprocessed in
-    that snapshot and marks them processed, then copies the temporary slot to ``spec.slot``:
-    ``stream`` takes every transaction after the snapshot. Throughout, the outbox's advisory
-    lock keeps pollers out. Until the copy nothing can stream the slot, and a failure or a stop
-    at any point before it (a refused row, a lost connection, SIGTERM, Ctrl-C, even SIGKILL)
-    leaves no slot: PostgreSQL drops a temporary slot with its session. What was marked was
-    published, so the pollers can take over again.
-    """
-    progress = _Progress()
-    with _Interrupts() as interrupts, connect(settings.dsn) as guard:
-        outbox = _check_handover(guard, settings, spec)
-        spec = dataclasses.replace(spec, table=outbox.qualified)
-        report = setup(settings.dsn, spec, create_slot=False)
-        lines = [f"exists: {line}" for line in report.existing] + report.done
-        publisher = Publisher(settings)
-        try:
-            publisher.sink.check_reachable(settings.kafka_timeout)
-            lsn = _switch(settings, spec, outbox, publisher, guard, progress, interrupts)
-        except (psycopg.Error, KeyboardInterrupt) as exc:
-            raise _undone(exc, spec, progress, interrupts.received) from None
-        except RelayError as exc:
-            if progress.copying:  # could not look the slot up
-                raise _undone(exc, spec, progress, None) from None
-            raise
-        finally:
-            publisher.sink.close()
-    lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
-    lines.append(
-        f"published {progress.published} events that were unprocessed at {lsn} and marked "
-        f"them processed; start cdc-relay stream --slot {spec.slot} for everything after it"
-    )
-    return Handover(lines)
-
-
-def _check_handover(
-    conn: psycopg.Connection[dict[str, Any]], settings: PollSettings, spec: SlotSpec
-) -> Outbox:
-    """Take the outbox's lock for the whole handover and check what it needs; the outbox."""
-    outbox = resolve(conn, settings.table)
-    if not (conn.execute(QUERIES["handover_lock"], outbox.lock).fetchone() or {}).get("locked"):
-        holders = conn.execute(QUERIES["pollers"], outbox.lock).fetchall()
-        pids = ", ".join(str(r["pid"]) for r in holders)
-        if any(r["handover"] for r in holders):
-            raise PreflightError(
-                f"another handover is running on {outbox.qualified} (pid {pids}); let it finish"
-            )
-        if not holders:  # released since
-            raise PreflightError(f"the lock of {outbox.qualified} was busy; run the handover again")
-        raise PreflightError(
-            f"{len(holders)} poller sessions are connected (pid {pids}); stop every "
-            "cdc-relay poll (SIGTERM) and run the handover again"
-        )
-    _check_columns(conn, outbox)
-    if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
-        raise PreflightError(
-            f"slot {spec.slot} exists already, so it cannot start at the poller's last "
-            "row; drop it (cdc-relay drop-slot) or choose another --slot"
-        )
-    server = conn.execute(QUERIES["server"]).fetchone() or {}
-    if server["slots_used"] + 2 > server["max_slots"]:
-        raise PreflightError(
-            f"{server['slots_used']} of {server['max_slots']} replication slots are in use; the "
-            "handover needs two for a moment (a temporary one while it publishes, then the "
-            "slot): raise max_replication_slots in postgresql.conf and restart, or drop an "
-            "unused slot"
-        )
-    counts = conn.execute(outbox.query("pending_counts")).fetchone() or {}
-    if counts.get("dead_letters"):
-        raise PreflightError(
-            f"{counts['dead_letters']} dead letters are in {outbox.qualified}; retry them "
-            "(cdc-relay dead-letters retry, with a poller running) or delete them, then "
-            "run the handover again"
-        )
-    return outbox
-
-
-def _switch(
-    settings: PollSettings,
-    spec: SlotSpec,
-    outbox: Outbox,
-    publisher: Publisher,
-    marker: psycopg.Connection[dict[str, Any]],
-    progress: _Progress,
-    interrupts: _Interrupts,
-) -> str:
-    """Publish and mark the rows unprocessed as of the slot's start, then make the slot;
-    returns its position."""
-    temporary = f"{spec.slot[:40]}_handover_{os.getpid()}"
-    with exported_snapshot(settings.dsn, dataclasses.replace(spec, slot=temporary)) as (
-        lsn,
-        snapshot,
-    ):
-        with psycopg.connect(settings.dsn, row_factory=class_row(OutboxRow)) as reader:
-            reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            reader.read_only = True
-            reader.execute(sql.SQL(QUERIES["set_snapshot"]).format(snapshot=sql.Literal(snapshot)))
-            with reader.cursor(name="cdc_relay_handover") as rows:
-                rows.execute(outbox.query("unprocessed"))
-                _publish_all(settings, outbox, publisher, rows, marker, progress)
-        # Every row is published and marked: the switch is complete once the copy is made, so
-        # a signal no longer undoes it.
-        interrupts.hold()
-        progress.copying = True
-        try:
-            marker.execute(QUERIES["copy_slot"], {"source": temporary, "slot": spec.slot})
-        except psycopg.OperationalError:
-            # The answer was lost, not necessarily the copy.
-            if not _slot_exists(settings.dsn, spec.slot):
-                raise
-    return lsn
-
-
-def _slot_exists(dsn: str, slot: str) -> bool:
-    with connect(dsn) as conn:
-        return conn.execute(QUERIES["slot"], {"slot": slot}).fetchone() is not None
-
-
-def _publish_all(
-    settings: PollSettings,
-    outbox: Outbox,
-    publisher: Publisher,
-    rows: psycopg.ServerCursor[OutboxRow],
-    marker: psycopg.Connection[dict[str, Any]],
-    progress: _Progress,
-) -> None:
-    """Publish every row of the cursor, batch by batch, marking each batch processed."""
-    mark = outbox.query("mark_processed")
-    while batch := rows.fetchmany(settings.batch_size):
-        outbox.check_payload(batch)
-        publisher.publish(batch, lambda: False)
-        acked = [batch[i].id for i in sorted(publisher.acked)]
-        if acked:
-            marker.execute(mark, {"ids": acked})
-            progress.published += len(acked)
-        if publisher.refused:
-            index, error = next(iter(publisher.refused.items()))
-            raise DeliveryError(
-                f"Kafka refused event {batch[index].id} ({batch[index].event_type}, "
-                f"aggregate {batch[index].aggregate_id}): {error}; the handover was undone "
-                f"(no slot was created; {progress.published} events were published and "
-                "marked processed): fix the cause and run it again, or start the pollers again"
-            )
-
-
-def _undone(
-    exc: BaseException, spec: SlotSpec, progress: _Progress, signal_name: str | None
-) -> RelayError:
-    """The one-line error of a handover that stopped before its end."""
-    if isinstance(exc, KeyboardInterrupt):
-        cause = f"it was interrupted ({signal_name or 'SIGINT'})"
-    elif isinstance(exc, psycopg.Error):
-        cause = f"PostgreSQL failed: {_first_line(exc)}"
-    else:
-        cause = _first_line(exc)
-    done = f"{progress.published} events were published and marked processed"
-    if progress.copying:
-        return RelayError(
-            f"the handover stopped while it created slot {spec.slot}: {cause}; {done} (all of "
-            f"them); if cdc-relay status shows slot {spec.slot}, start cdc-relay stream, "
-            "otherwise start the pollers again"
-        )
-    return RelayError(
-        f"the handover stopped before it finished: {cause}; it was undone (no slot was "
-        f"created; {done}): run it again, or start the pollers again"
-    )
-
-
-class _Interrupts:
-    """SIGTERM as Ctrl-C while the handover runs, so that a stop undoes it like a failure
-    (KeyboardInterrupt); both are ignored once it is making the slot, which completes it."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._held = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-    def hold(self) -> None:
-        self._held = True
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if not self._held:
-            self.received = signal.Signals(signum).name
-            raise KeyboardInterrupt
