@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import math
@@ -9,9 +11,10 @@ import signal
 import sys
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 import setproctitle
@@ -22,6 +25,7 @@ from cdc_relay.config import (
     DEFAULT_SLOT,
     DEFAULT_TABLE,
     SAFER_PLACES,
+    RelaySettings,
     checked_dsn,
     env,
     hide_passwords,
@@ -288,6 +292,61 @@ def run_options(func: F) -> F:
         show_default=True,
         help="Seconds between progress lines in the log.",
     )(func)
+
+
+@dataclass(frozen=True)
+class RelayOptions:
+    """The options every relay takes (Kafka, the wire, stopping, metrics, logs), declared once
+    by ``relay_options`` and handed to the command as one value."""
+
+    kafka_bootstrap: str
+    kafka_config: tuple[str, ...]
+    kafka_config_file: Path | None
+    topic_template: str
+    tombstone_on_empty_payload: bool
+    kafka_timeout: float
+    cloudevents_enabled: bool
+    cloudevents_source: str | None
+    shutdown_timeout: float
+    progress_interval: float
+    metrics_port: int
+    metrics_host: str
+    log_format: str
+    log_level: str
+
+    def start(self) -> Health:
+        """Logs configured, metrics served: what a relay needs before it starts."""
+        logs.configure(self.log_format, self.log_level)
+        return start_metrics(self.metrics_host, self.metrics_port)
+
+    def settings(self, dsn: str, table: str, header_columns: tuple[str, ...] = ()) -> RelaySettings:
+        """The settings every relay shares, for the outbox ``table`` of ``dsn``."""
+        return RelaySettings(
+            dsn=dsn,
+            kafka_config=producer_config(
+                self.kafka_bootstrap, kafka_settings(self.kafka_config, self.kafka_config_file)
+            ),
+            topic_template=self.topic_template,
+            tombstone_on_empty=self.tombstone_on_empty_payload,
+            cloudevents=cloudevents.configure(
+                self.cloudevents_enabled, self.cloudevents_source, dsn, table, header_columns
+            ),
+            kafka_timeout=self.kafka_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            progress_interval=self.progress_interval,
+        )
+
+
+def relay_options(func: F) -> F:
+    """Declare the options of ``RelayOptions`` and pass them to ``func`` as ``relay``."""
+    names = [f.name for f in dataclasses.fields(RelayOptions)]
+
+    @functools.wraps(func)
+    def command(**values: Any) -> Any:
+        relay = RelayOptions(**{name: values.pop(name) for name in names})
+        return func(relay=relay, **values)
+
+    return cast(F, kafka_options()(run_options(metrics_options(log_options(command)))))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -774,7 +833,7 @@ def _count(value: int | None) -> str:
 
 @cli.command("stream")
 @database_options
-@kafka_options()
+@relay_options
 @_option(
     "--status-interval",
     type=Seconds(0.1, 3600),
@@ -782,7 +841,6 @@ def _count(value: int | None) -> str:
     show_default=True,
     help="Seconds between standby status updates; keep well under wal_sender_timeout.",
 )
-@run_options
 @_COLUMNS
 @_option(
     "--shard",
@@ -848,28 +906,17 @@ def _count(value: int | None) -> str:
     help="When another relay streams the slot, wait and take over as soon as it stops or "
     "dies, instead of exiting.",
 )
-@metrics_options
-@log_options
 def stream(
+    relay: RelayOptions,
     dsn: str,
     slot: str,
     publication: str,
     table: str,
-    kafka_bootstrap: str,
-    kafka_config: tuple[str, ...],
-    kafka_config_file: Path | None,
-    topic_template: str,
     status_interval: float,
-    shutdown_timeout: float,
-    kafka_timeout: float,
-    cloudevents_enabled: bool,
-    cloudevents_source: str | None,
-    progress_interval: float,
     columns: tuple[str, ...],
     shard: Shard | None,
     header_columns: tuple[str, ...],
     message_prefix: str,
-    tombstone_on_empty_payload: bool,
     dead_letter_topic: str | None,
     ignore_other_tables: bool,
     exactly_once: bool,
@@ -877,16 +924,12 @@ def stream(
     checkpoint_topic: str,
     transaction_interval: float,
     standby: bool,
-    metrics_port: int,
-    metrics_host: str,
-    log_format: str,
-    log_level: str,
 ) -> None:
     """Stream the slot to Kafka; confirm positions only after Kafka acknowledged them.
 
     Stops cleanly on SIGTERM or Ctrl-C: waits for acks, confirms, exits 0.
     """
-    logs.configure(log_format, log_level)
+    health = relay.start()
     slot = shard.name(slot) if shard else slot
     if exactly_once and dead_letter_topic:
         raise UsageError(
@@ -894,21 +937,13 @@ def stream(
             "without dead letters (the relay stops at an event Kafka refuses), or at least once"
         )
     settings = StreamSettings(
-        dsn=dsn,
+        **relay.settings(dsn, table, header_columns).shared(),
         slot=slot,
         publication=shard.name(publication) if shard else publication,
         table=table,
-        kafka_config=producer_config(
-            kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
-        ),
-        topic_template=topic_template,
         status_interval=status_interval,
-        shutdown_timeout=shutdown_timeout,
-        kafka_timeout=kafka_timeout,
-        progress_interval=progress_interval,
         layout=OutboxLayout.from_options(columns, header_columns),
         message_prefix=message_prefix,
-        tombstone_on_empty=tombstone_on_empty_payload,
         dead_letter_topic=dead_letter_topic,
         standby=standby,
         ignore_other_tables=ignore_other_tables,
@@ -920,16 +955,13 @@ def stream(
         )
         if exactly_once
         else None,
-        cloudevents=cloudevents.configure(
-            cloudevents_enabled, cloudevents_source, dsn, table, header_columns
-        ),
     )
-    run_relay(StreamRelay(settings, start_metrics(metrics_host, metrics_port)))
+    run_relay(StreamRelay(settings, health))
 
 
 @cli.command("poll")
 @outbox_options
-@kafka_options()
+@relay_options
 @_option(
     "--workers",
     type=click.IntRange(1, 64),
@@ -975,32 +1007,16 @@ def stream(
     show_default=True,
     help="The longest wait between two tries of a row.",
 )
-@run_options
-@metrics_options
-@log_options
 def poll(
+    relay: RelayOptions,
     dsn: str,
     table: str,
-    kafka_bootstrap: str,
-    kafka_config: tuple[str, ...],
-    kafka_config_file: Path | None,
-    topic_template: str,
-    tombstone_on_empty_payload: bool,
-    kafka_timeout: float,
-    cloudevents_enabled: bool,
-    cloudevents_source: str | None,
     workers: int,
     batch_size: int,
     poll_interval: float,
     max_attempts: int,
     backoff_base: float,
     backoff_max: float,
-    shutdown_timeout: float,
-    progress_interval: float,
-    metrics_port: int,
-    metrics_host: str,
-    log_format: str,
-    log_level: str,
 ) -> None:
     """Publish the outbox by polling it: no replication slot needed.
 
@@ -1009,27 +1025,18 @@ def poll(
     marks them processed. Stops cleanly on SIGTERM or Ctrl-C: finishes or releases the
     current batches, exits 0.
     """
-    logs.configure(log_format, log_level)
+    health = relay.start()
     settings = PollSettings(
-        dsn=dsn,
+        **relay.settings(dsn, table).shared(),
         table=table,
-        kafka_config=producer_config(
-            kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
-        ),
-        topic_template=topic_template,
-        tombstone_on_empty=tombstone_on_empty_payload,
         workers=workers,
         batch_size=batch_size,
         poll_interval=poll_interval,
         max_attempts=max_attempts,
         backoff_base=backoff_base,
         backoff_max=max(backoff_max, backoff_base),
-        shutdown_timeout=shutdown_timeout,
-        kafka_timeout=kafka_timeout,
-        progress_interval=progress_interval,
-        cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
     )
-    run_relay(PollRelay(settings, start_metrics(metrics_host, metrics_port)))
+    run_relay(PollRelay(settings, health))
 
 
 @cli.group("dead-letters")

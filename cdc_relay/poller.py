@@ -34,7 +34,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg.rows import class_row, dict_row
 
-from cdc_relay.cloudevents import CloudEvents
+from cdc_relay.config import RelaySettings
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
 from cdc_relay.metrics import (
@@ -62,23 +62,15 @@ _RECONNECT_BASE = 0.5  # seconds before reconnecting to PostgreSQL, doubling up 
 _RECONNECT_MAX = 10.0
 
 
-@dataclass(frozen=True)
-class PollSettings:
-    dsn: str
+@dataclass(frozen=True, kw_only=True)
+class PollSettings(RelaySettings):
     table: str
-    kafka_config: dict[str, str]
-    topic_template: str
-    tombstone_on_empty: bool = False
     workers: int = 1
     batch_size: int = 500
     poll_interval: float = 5.0
     max_attempts: int = 10
     backoff_base: float = 1.0
     backoff_max: float = 300.0
-    shutdown_timeout: float = 30.0
-    kafka_timeout: float = 15.0
-    progress_interval: float = 10.0
-    cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
 
 
 def backoff(

@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError
 
 from cdc_relay import failover, pgoutput, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
-from cdc_relay.cloudevents import CloudEvents
+from cdc_relay.config import RelaySettings
 from cdc_relay.deadletter import DeadLetters
 from cdc_relay.errors import (
     DecodeError,
@@ -92,27 +92,19 @@ _CONFIRM_AFTER = 0.2
 _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
 
 
-@dataclass(frozen=True)
-class StreamSettings:
-    dsn: str
+@dataclass(frozen=True, kw_only=True)
+class StreamSettings(RelaySettings):
     slot: str
     publication: str
     table: str
-    kafka_config: dict[str, str]
-    topic_template: str
     status_interval: float = 10.0
-    shutdown_timeout: float = 30.0
-    kafka_timeout: float = 15.0
-    progress_interval: float = 10.0
     layout: OutboxLayout = field(default_factory=OutboxLayout)
     message_prefix: str = "outbox"
-    tombstone_on_empty: bool = False
     dead_letter_topic: str | None = None
     standby: bool = False  # wait while another relay holds the slot, then take over
     # Skip rows of other tables in the publication (logged) instead of stopping at the first.
     ignore_other_tables: bool = False
     shard: Shard | None = None  # slot and publication are then the shard's (shards.py)
-    cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
     exactly_once: ExactlyOnce | None = None  # Kafka transactions with a checkpoint
 
 
