@@ -19,6 +19,7 @@ import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.rows import dict_row
 from relaytools import (
     Load,
     Received,
@@ -760,3 +761,64 @@ def test_a_bytea_payload_goes_to_kafka_as_the_stored_bytes(
     received = consume(kafka_service.bootstrap, names.topic_prefix, expected=2 * len(samples))
     assert {r.id: r.value for r in received} == stored
     assert len(received) == len(stored)
+
+
+def _plan_nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
+    return [plan, *(node for child in plan.get("Plans", ()) for node in _plan_nodes(child))]
+
+
+def test_a_claim_reads_a_batch_not_the_backlog_however_stale_the_statistics(
+    poller_db: str,
+) -> None:
+    """A steady outbox's statistics say almost every row is processed; then the poller falls
+    behind and a backlog builds before the next ANALYZE. A claim that sorted the backlog (the
+    planner's choice when it believes few rows are unprocessed) would cost more the further
+    behind the poller is, and a poller at a steady rate would fall further behind with every
+    claim. Both steps of the claim must walk the queue in seq order and stop at the batch."""
+    from cdc_relay.poller import resolve
+
+    with psycopg.connect(poller_db, autocommit=True, row_factory=dict_row) as conn:
+        conn.execute("ALTER TABLE outbox_events SET (autovacuum_enabled = off)")
+        insert = (
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload, "
+            "processed_at) SELECT 'order', (g %% 5000)::text, 'created', '{\"n\": 1}', {done} "
+            "FROM generate_series(1, %s) AS g"
+        )
+        conn.execute(insert.replace("{done}", "now()"), (300_000,))
+        conn.execute(insert.replace("{done}", "NULL"), (100,))
+        conn.execute("VACUUM ANALYZE outbox_events")
+        conn.execute(insert.replace("{done}", "NULL"), (100_000,))  # the backlog, unanalysed
+        outbox = resolve(conn, "outbox_events")
+        batch = 500
+        with conn.transaction():
+            steps = {}
+            params: dict[str, Any] = {
+                "limit": batch,
+                "shard": 0,
+                "shards": 1,
+                "table_oid": outbox.table.oid,
+            }
+            explain = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ")
+
+            def plan(query: sql.Composed, values: dict[str, Any]) -> dict[str, Any]:
+                row = conn.execute(explain + query, values).fetchone()
+                assert row is not None
+                return dict(row["QUERY PLAN"][0]["Plan"])
+
+            steps["claim_aggregates"] = plan(outbox.query("claim_aggregates"), params)
+            locked = conn.execute(outbox.query("claim_aggregates"), params).fetchone()
+            assert locked is not None and locked["keys"]
+            steps["claim"] = plan(outbox.query("claim"), {"limit": batch, "keys": locked["keys"]})
+    for step, found in steps.items():
+        nodes = _plan_nodes(found)
+        assert not [n for n in nodes if n["Node Type"] in ("Sort", "Incremental Sort")], (
+            step,
+            json.dumps(found, indent=1)[:3000],
+        )
+        # rows the scans of the queue handed up: a batch's worth, not the 100,000 behind it
+        scanned = sum(
+            n["Actual Rows"] * n["Actual Loops"]
+            for n in nodes
+            if n.get("Relation Name") == "outbox_events" and n.get("Alias") == "t"
+        )
+        assert 0 < scanned <= 2 * batch, (step, scanned)
