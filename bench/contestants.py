@@ -69,6 +69,8 @@ class Contestant(abc.ABC):
 
     name: str
     delivers_to_kafka = True
+    transactional = False
+    """Publishes in Kafka transactions: counted and timed by a read_committed consumer."""
     """False for the ceiling, which reads the slot and writes nothing anywhere."""
     stop_signal = signal.SIGTERM
 
@@ -108,11 +110,18 @@ def _relay_env(trial: Trial) -> dict[str, str]:
 class Stream(Contestant):
     """``cdc-relay stream`` on a slot that ``cdc-relay setup-slot`` made."""
 
-    def __init__(self, name: str, plugin: str = "pgoutput", profile: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        plugin: str = "pgoutput",
+        profile: Path | None = None,
+        exactly_once: bool = False,
+    ) -> None:
         self.name = name
         self.plugin = plugin
         self.profile = profile
         """Run under pyinstrument, saving its session here."""
+        self.transactional = exactly_once
 
     def unavailable(self) -> str | None:
         code, text = _help("stream")
@@ -138,6 +147,9 @@ class Stream(Contestant):
             command[1:2] = ["-m", "pyinstrument", "-r", "pyisession", "-o", str(self.profile), "-m"]
         if self.plugin != "pgoutput" and "--plugin" in _help("stream")[1]:
             command += ["--plugin", self.plugin]
+        if self.transactional:
+            # Its own checkpoint topic: no trial reads another's checkpoint.
+            command += ["--exactly-once", "--checkpoint-topic", f"{trial.topic_prefix}.checkpoints"]
         return command, _relay_env(trial)
 
 
@@ -272,6 +284,7 @@ class RecvLogical(Contestant):
 
 CONTESTANTS: list[Contestant] = [
     Stream("stream"),
+    Stream("stream-eos", exactly_once=True),
     Stream("stream-wal2json", plugin="wal2json"),
     StreamShards("stream-shards-2", count=2),
     Poll("poll-1", workers=1),

@@ -3,12 +3,14 @@ hold, and reading every message back to check and time it."""
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from confluent_kafka import (
+    OFFSET_BEGINNING,
     TIMESTAMP_LOG_APPEND_TIME,
     Consumer,
     KafkaError,
@@ -162,3 +164,70 @@ def read_all(bootstrap: str, topics: Sequence[str]) -> Deliveries:
     finally:
         consumer.close()
     return deliveries
+
+
+class LiveReader:
+    """A read_committed consumer reading the topics while the contestant runs, noting when it
+    could first read each event (this machine's clock, the writer's).
+
+    For a transactional contestant the broker's append time comes before the commit that makes
+    a message readable, and the high watermarks count the transactions' commit markers: its
+    deliveries are counted, and its latency measured, here instead.
+    """
+
+    def __init__(self, bootstrap: str, topics: Sequence[str]) -> None:
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": f"bench-live-{uuid.uuid4()}",
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+                # A fetch returns as soon as there is anything: the wait is the latency's.
+                "fetch.wait.max.ms": 5,
+                "fetch.min.bytes": 1,
+            }
+        )
+        self._consumer.assign(
+            [TopicPartition(t, p, OFFSET_BEGINNING) for t in topics for p in range(PARTITIONS)]
+        )
+        self.first_read: dict[str, float] = {}
+        """Event id -> when this consumer first read it (time.time())."""
+        self.messages = 0
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-live-reader", daemon=True)
+
+    def start(self) -> LiveReader:
+        self._thread.start()
+        return self
+
+    def count(self) -> int:
+        """Distinct events read so far (Watermarks.count's counterpart)."""
+        if self._error is not None:
+            raise self._error
+        return len(self.first_read)
+
+    def _run(self) -> None:
+        first = self.first_read
+        try:
+            while not self._stop.is_set():
+                batch = self._consumer.consume(10_000, timeout=0.05)
+                now = time.time()
+                for msg in batch:
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() != KafkaError._PARTITION_EOF:
+                            self._error = RuntimeError(f"reading {msg.topic()}: {err}")
+                            return
+                        continue
+                    self.messages += 1
+                    event_id = next((v for k, v in msg.headers() or () if k == "id"), None)
+                    if event_id is not None:
+                        first.setdefault(event_id.decode(), now)
+        except BaseException as exc:  # noqa: BLE001 - raised by count, in the harness's thread
+            self._error = exc
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self._consumer.close()

@@ -140,10 +140,16 @@ def _died(process: Process, what: str) -> TrialFailed:
 
 
 def _wait_delivered(
-    process: Process, trial: Trial, topics: list[str], expected: int, say: Say
+    process: Process,
+    trial: Trial,
+    topics: list[str],
+    expected: int,
+    say: Say,
+    reader: kafka.LiveReader | None = None,
 ) -> None:
-    """Until the topics hold ``expected`` messages; fail when the contestant dies or stalls."""
-    marks = kafka.Watermarks(trial.bootstrap, topics)
+    """Until the topics hold ``expected`` messages (read by ``reader``, when given); fail when
+    the contestant dies or stalls."""
+    marks: kafka.Watermarks | kafka.LiveReader = reader or kafka.Watermarks(trial.bootstrap, topics)
     try:
         count, progress, shown = 0, time.monotonic(), time.monotonic()
         while True:
@@ -165,7 +171,15 @@ def _wait_delivered(
                 shown = now
             time.sleep(0.2)
     finally:
-        marks.close()
+        if reader is None:
+            marks.close()
+
+
+def _live_reader(contestant: Contestant, trial: Trial) -> kafka.LiveReader | None:
+    """For a transactional contestant, a read_committed consumer reading as it delivers."""
+    if not contestant.transactional:
+        return None
+    return kafka.LiveReader(trial.bootstrap, event_topics(trial)).start()
 
 
 def _wait_ready(contestant: Contestant, process: Process, trial: Trial) -> None:
@@ -246,10 +260,11 @@ def backlog(
     trial = replace(trial, end_lsn=_one(trial.dsn, "wal_lsn"))
     say(f"written in {seconds:.1f} s; starting {contestant.name}")
     db_cpu = server_cpu(trial.server_pid)
+    reader = _live_reader(contestant, trial)
     process = _start(contestant, trial)
     try:
         if contestant.delivers_to_kafka:
-            _wait_delivered(process, trial, event_topics(trial), events, say)
+            _wait_delivered(process, trial, event_topics(trial), events, say, reader)
             usage, clean = _stop(contestant, process)
         else:
             finished = process.wait(STALL_TIMEOUT + events / 1000)
@@ -259,6 +274,8 @@ def backlog(
         db_cpu = server_cpu(trial.server_pid) - db_cpu
     finally:
         process.kill()
+        if reader is not None:
+            reader.close()
     wal_bytes = _one(trial.dsn, "wal_bytes_since", lsn=start_lsn)
     result: dict[str, Any] = {"write_s": round(seconds, 1), "stopped_cleanly": clean}
     result |= _figures(usage, db_cpu, wal_bytes, events)
@@ -278,8 +295,11 @@ def backlog(
     say("reading every message back")
     deliveries = kafka.read_all(trial.bootstrap, event_topics(trial))
     result |= _verify(deliveries, workload.event_ids(trial.dsn))
-    stamps = deliveries.first_append_ms.values()
-    first, last = min(stamps) / 1000, max(stamps) / 1000
+    if reader is None:
+        stamps = [stamp / 1000 for stamp in deliveries.first_append_ms.values()]
+    else:  # committed, not appended: when a read_committed consumer could read them
+        stamps = list(reader.first_read.values())
+    first, last = min(stamps), max(stamps)
     return result | {
         "events_per_s": round(events / max(last - first, 0.001)),
         "time_to_drain_s": round(last - process.started, 2),
@@ -309,6 +329,7 @@ def steady(
     """Start the contestant, write at a steady rate for ``warmup`` s, then measure ``duration``
     s more at the same rate. Every event must arrive; the figures are the measured part's."""
     contestant.prepare(trial)
+    reader = _live_reader(contestant, trial)
     process = _start(contestant, trial)
     try:
         _wait_ready(contestant, process, trial)
@@ -334,7 +355,7 @@ def steady(
         say(f"wrote {events:,} events at {writer.achieved_rate:,.0f} events/s{short}")
         if contestant.delivers_to_kafka:
             expected = len(warm.committed) + events
-            _wait_delivered(process, trial, event_topics(trial), expected, say)
+            _wait_delivered(process, trial, event_topics(trial), expected, say, reader)
         else:
             deadline = time.monotonic() + STALL_TIMEOUT
             while not _one(trial.dsn, "slot_sent_past", slot=trial.slot, lsn=end_lsn):
@@ -349,6 +370,8 @@ def steady(
         usage, clean = _stop(contestant, process)
     finally:
         process.kill()
+        if reader is not None:
+            reader.close()
     wal_bytes = _one(trial.dsn, "wal_bytes_since", lsn=start_lsn)
     usage = replace(usage, cpu_s=cpu)
     result: dict[str, Any] = {
@@ -370,10 +393,13 @@ def steady(
     deliveries = kafka.read_all(trial.bootstrap, event_topics(trial))
     result |= _verify(deliveries, set(warm.committed) | set(writer.committed))
     result |= {"events_written": events, "events_delivered": events}  # the measured ones
-    first_append = deliveries.first_append_ms
-    latencies = [first_append[i] / 1000 - t for i, t in writer.committed.items()]
-    stamps = [first_append[i] for i in writer.committed]
-    span = (max(stamps) - min(stamps)) / 1000
+    if reader is None:
+        seen = {i: stamp / 1000 for i, stamp in deliveries.first_append_ms.items()}
+    else:  # committed, not appended: when a read_committed consumer could read them
+        seen = reader.first_read
+    latencies = [seen[i] - t for i, t in writer.committed.items()]
+    stamps = [seen[i] for i in writer.committed]
+    span = max(stamps) - min(stamps)
     return result | {
         "events_per_s": round(events / max(span, 0.001)),
         "latency_ms": _percentiles(latencies),

@@ -16,7 +16,7 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).parents[2]
-CONTESTANTS = ("stream", "stream-wal2json", "poll-1", "poll-4")
+CONTESTANTS = ("stream", "stream-eos", "stream-wal2json", "poll-1", "poll-4")
 EVERY_RUN = (
     "events_written",
     "events_delivered",
