@@ -416,7 +416,7 @@ def status(
         )
         database = _one(conn, "server")["database"]
         problem = (
-            slot_problem(slot, slot_name, database)
+            slot_problem(slot, slot_name, database) or failover.slot_invalidated(slot_name, slot)
             if slot
             else failover.slot_gone(slot_name, _one(conn, "timeline").get("timeline"))
         )
@@ -443,6 +443,9 @@ def status(
         "plugin": slot.get("plugin"),
         "confirmed_flush_lsn": slot.get("confirmed_flush_lsn"),
         "wal_retained_bytes": slot.get("retained_bytes"),
+        "wal_status": slot.get("wal_status"),
+        "safe_wal_bytes": slot.get("safe_wal_bytes"),
+        "invalidated": slot.get("invalidated"),
         "table": found.get("name") if found else table,
         "slot_relays_table": relays,
         "publication": publication,

@@ -1,0 +1,239 @@
+"""A slot PostgreSQL gave up on: invalidated by max_slot_wal_keep_size (PostgreSQL 15 and 18)
+or, on 18, by idle_replication_slot_timeout. Nothing brings such a slot back: `stream` must
+stop with one line naming the cause and the remedy, whether it meets the slot at start or
+when it reconnects, and `status` must say so and exit non-zero.
+
+Each version runs on a throwaway cluster of this module, with max_slot_wal_keep_size = 1MB:
+the session's servers keep their settings.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.rows import dict_row
+from relaytools import (
+    RelayProcess,
+    Writer,
+    check,
+    consume,
+    relay_env,
+    setup_slot,
+    wait_slot,
+    wait_until,
+)
+
+from cdc_relay import failover, metrics, schema
+from cdc_relay.devstack.postgres import LocalPostgres
+from cdc_relay.queries import QUERIES
+
+pytestmark = pytest.mark.integration
+
+DATABASE = "outbox"
+
+
+@pytest.fixture(scope="module", params=["pg15", "pg18"])
+def server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """A cluster whose slots may hold back at most 1 MB of WAL; yields the outbox's DSN."""
+    bindir = request.getfixturevalue("pg18_bin") if request.param == "pg18" else None
+    pg = LocalPostgres(
+        tmp_path_factory.mktemp(request.param),
+        bindir=bindir,
+        settings={"max_slot_wal_keep_size": "1MB"},
+    ).start()
+    try:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute(f"CREATE DATABASE {DATABASE}")
+        with psycopg.connect(pg.dsn_for(DATABASE), autocommit=True) as conn:
+            conn.execute(schema.text("outbox").encode())
+        yield pg.dsn_for(DATABASE)
+    finally:
+        pg.cleanup(keep_logs=True)
+
+
+def _slot(dsn: str, slot: str) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        row = conn.execute(QUERIES["slot"], {"slot": slot}).fetchone()
+    assert row is not None, f"slot {slot} is gone"
+    return row
+
+
+def _invalidate(dsn: str, slot: str) -> dict[str, Any]:
+    """Write and switch WAL segments, with checkpoints, until PostgreSQL gives up on ``slot``
+    (the checkpointer ends a walsender that streams it first); return its row then."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for _ in range(20):
+            conn.execute("CREATE TEMPORARY TABLE IF NOT EXISTS filler (n int)")
+            conn.execute("INSERT INTO filler SELECT generate_series(1, 1000)")
+            conn.execute("SELECT pg_switch_wal()")
+            conn.execute("CHECKPOINT")
+            row = _slot(dsn, slot)
+            if row["invalidated"]:
+                return row
+    raise AssertionError(f"slot {slot} still valid: {_slot(dsn, slot)}")
+
+
+def _status(dsn: str, slot: str, *options: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "status", "--dsn", dsn, "--slot", slot, *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _expected(slot: str, row: dict[str, Any], cause: str) -> str:
+    return (
+        f"replication slot '{slot}' was invalidated by PostgreSQL ({cause}), so the changes it "
+        "had not confirmed may be gone from the WAL and it can never be streamed again; drop it "
+        "(cdc-relay drop-slot), create it again (cdc-relay setup-slot) and republish by "
+        "created_at what was committed since its last confirmed position "
+        f"({row['confirmed_flush_lsn']}) (README: A slot PostgreSQL gave up on)"
+    )
+
+
+WAL_REMOVED = "wal_removed: the WAL it held back grew past max_slot_wal_keep_size"
+
+
+def _assert_status_names_it(dsn: str, slot: str, message: str) -> None:
+    status = _status(dsn, slot, "--wait", "0")
+    print(status.stdout, status.stderr)
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert f"ALERT: {message}" in status.stderr.splitlines(), status.stderr
+    assert "WAL status        lost" in status.stdout.splitlines(), status.stdout
+    as_json = _status(dsn, slot, "--json", "--wait", "0")
+    assert as_json.returncode == 3, as_json.stdout + as_json.stderr
+    assert '"invalidated": "wal_removed"' in as_json.stdout, as_json.stdout
+
+
+def test_the_slot_query_tells_a_usable_slot_from_an_invalidated_one_and_sets_the_gauges(
+    server: str, names: Any
+) -> None:
+    setup_slot(server, names)
+    usable = _slot(server, names.slot)
+    assert usable["invalidated"] is None
+    assert usable["wal_status"] in ("reserved", "extended")
+    # max_slot_wal_keep_size is 1 MB, which PostgreSQL counts in whole WAL segments (16 MB)
+    assert usable["safe_wal_bytes"] is not None
+    assert 0 < usable["safe_wal_bytes"] <= 16 * 1024 * 1024
+    assert failover.slot_invalidated(names.slot, usable) is None
+    metrics.observe_slot(usable)
+    assert metrics.SLOT_INVALIDATED._value.get() == 0
+    assert metrics.SLOT_SAFE_WAL._value.get() == usable["safe_wal_bytes"]
+
+    lost = _invalidate(server, names.slot)
+    assert (lost["wal_status"], lost["invalidated"], lost["safe_wal_bytes"]) == (
+        "lost",
+        "wal_removed",
+        None,
+    )
+    metrics.observe_slot(lost)
+    assert metrics.SLOT_INVALIDATED._value.get() == 1
+    assert metrics.SLOT_SAFE_WAL._value.get() == 0
+
+
+def test_stream_refuses_a_slot_invalidated_while_it_was_down_and_status_says_so(
+    tmp_path: Path, server: str, kafka_service: Any, names: Any
+) -> None:
+    setup_slot(server, names)
+    writer = Writer(server)
+    relay = RelayProcess(tmp_path, relay_env(server, kafka_service.bootstrap, names)).start()
+    try:
+        wait_slot(server, names.slot, active=True)
+        relayed = [w for n in range(10) for w in writer.transaction([("order", f"a{n}", {})])]
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(relayed))
+        assert check(relayed, received, names.topic_prefix).lost == []
+        assert relay.stop() == 0, relay.log()
+
+        writer.transaction([("order", "a1", {"after": "the stop"})])  # never relayed
+        row = _invalidate(server, names.slot)
+        relay.start()
+        assert relay.wait(120) == 1, relay.log()
+    finally:
+        writer.close()
+        relay.close()
+    message = _expected(names.slot, row, WAL_REMOVED)
+    log = relay.log_path.read_text()
+    assert log.strip().splitlines()[-1] == f"cdc-relay: error: {message}", log
+    assert "Traceback" not in log, log
+    _assert_status_names_it(server, names.slot, message)
+
+
+def test_a_slot_invalidated_under_a_paused_relay_stops_it_when_it_reconnects(
+    tmp_path: Path, server: str, kafka_service: Any, names: Any
+) -> None:
+    setup_slot(server, names)
+    writer = Writer(server)
+    relay = RelayProcess(tmp_path, relay_env(server, kafka_service.bootstrap, names)).start()
+    try:
+        wait_slot(server, names.slot, active=True)
+        writer.transaction([("order", "a1", {})])
+        relay.signal(signal.SIGSTOP)  # it holds the slot but confirms nothing any more
+        writer.transaction([("order", "a1", {"while": "paused"})])
+        row = _invalidate(server, names.slot)  # the checkpointer ends its walsender first
+        relay.signal(signal.SIGCONT)
+        assert relay.wait(120) == 1, relay.log()
+    finally:
+        writer.close()
+        relay.close()
+    message = _expected(names.slot, row, WAL_REMOVED)
+    log = relay.log()
+    assert log.strip().splitlines()[-1] == f"cdc-relay: error: {message}", log
+    assert "Traceback" not in log, log
+    assert "disconnected" in log or "replication" in log, log  # met at the reconnect
+    _assert_status_names_it(server, names.slot, message)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not os.environ.get("CDC_RELAY_CHAOS"),
+    reason="waits out idle_replication_slot_timeout's minimum, one minute: CDC_RELAY_CHAOS=1",
+)
+def test_an_idle_slot_invalidated_on_18_is_named_by_stream_and_status(
+    tmp_path: Path, pg18_bin: Path, kafka_service: Any, names: Any
+) -> None:
+    pg = LocalPostgres(
+        tmp_path / "pg18", bindir=pg18_bin, settings={"idle_replication_slot_timeout": "1min"}
+    ).start()
+    try:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute(schema.text("outbox").encode())
+        setup_slot(pg.dsn, names)
+        started = time.monotonic()
+
+        def idle_out() -> bool:
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                conn.execute("CHECKPOINT")  # where PostgreSQL invalidates idle slots
+            return bool(_slot(pg.dsn, names.slot)["invalidated"])
+
+        wait_until(idle_out, 120, "the idle timeout to invalidate the slot", interval=5)
+        row = _slot(pg.dsn, names.slot)
+        print(f"invalidated {time.monotonic() - started:.0f} s after its creation: {row}")
+        assert row["invalidated"] == "idle_timeout"
+        relay = RelayProcess(tmp_path, relay_env(pg.dsn, kafka_service.bootstrap, names)).start()
+        try:
+            assert relay.wait(120) == 1, relay.log()
+        finally:
+            relay.close()
+        message = _expected(
+            names.slot,
+            row,
+            "idle_timeout: it was inactive for longer than idle_replication_slot_timeout",
+        )
+        assert relay.log().strip().splitlines()[-1] == f"cdc-relay: error: {message}"
+        status = _status(pg.dsn, names.slot, "--wait", "0")
+        assert status.returncode == 3, status.stdout + status.stderr
+        assert f"ALERT: {message}" in status.stderr.splitlines(), status.stderr
+    finally:
+        pg.cleanup(keep_logs=True)
