@@ -155,6 +155,12 @@ SELECT s.plugin,
 FROM pg_replication_slots s
 WHERE s.slot_name = %(slot)s
 
+-- standby --
+-- Whether the server is a standby, and what decoding there (PostgreSQL 16+) needs of it
+SELECT pg_is_in_recovery() AS standby,
+       current_setting('hot_standby_feedback')::bool AS hot_standby_feedback,
+       current_setting('primary_slot_name') AS primary_slot_name
+
 -- create_slot --
 -- A logical slot; waits for transactions running now to finish
 SELECT lsn::text FROM pg_create_logical_replication_slot(%(slot)s, %(plugin)s)
