@@ -377,6 +377,13 @@ def _setup_slot_on(dsn: str, names: Any, out: Path) -> subprocess.Popen[bytes]:
         )
 
 
+def _set(server: LocalPostgres, setting: str, value: str) -> None:
+    """Restart ``server`` with ``setting`` (given on its command line, which ALTER SYSTEM does
+    not override)."""
+    server.settings[setting] = value
+    server.restart()
+
+
 def _active_on(dsn: str, slot: str) -> bool:
     with psycopg.connect(dsn, autocommit=True) as conn:
         row = conn.execute(
@@ -394,6 +401,17 @@ def test_stream_decodes_on_a_standby_while_the_application_writes_to_the_primary
     primary, standby = pair.primary.dsn_for(DATABASE), pair.standby.dsn_for(DATABASE)
     relay = RelayProcess(tmp_path, relay_env(standby, kafka_service.bootstrap, names))
     try:
+        _set(pair.standby, "hot_standby_feedback", "off")
+        refused = _setup_slot_on(standby, names, tmp_path / "no-feedback")
+        assert refused.wait(60) == 1
+        assert (tmp_path / "no-feedback.err").read_text().splitlines() == [
+            "cdc-relay: error: this server is a standby with hot_standby_feedback off, so the "
+            "primary may remove catalog rows the slot needs and PostgreSQL would invalidate it; "
+            "ALTER SYSTEM SET hot_standby_feedback = on; SELECT pg_reload_conf() on the standby "
+            "(with a primary_slot_name, so that the primary keeps them across disconnections)"
+        ]
+        _set(pair.standby, "hot_standby_feedback", "on")  # as the line says
+
         refused = _setup_slot_on(standby, names, tmp_path / "refused")
         assert refused.wait(60) == 1
         (line,) = (tmp_path / "refused.err").read_text().splitlines()
@@ -442,6 +460,14 @@ def test_stream_decodes_on_a_standby_while_the_application_writes_to_the_primary
         load = Load(primary, writers=3, pause=0.002).start()
         time.sleep(8)
         written = load.stop()
+        # Then the primary stops and the standby is promoted: the slot is the standby's own,
+        # so the relay goes on with what the new primary commits.
+        pair.primary.stop("fast")
+        pair.standby.promote()
+        load = Load(standby, writers=3, pause=0.002).start()
+        time.sleep(4)
+        after_promotion = load.stop()
+        written += after_promotion
         received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
         assert relay.alive(), relay.log()
         assert relay.stop() == 0, relay.log()
@@ -451,6 +477,7 @@ def test_stream_decodes_on_a_standby_while_the_application_writes_to_the_primary
                 [names.slot],
             ).fetchone()
         confirmed = parse_lsn(row[0]) if row else 0
+        pair.primary.start()  # the old primary, as it was: it never decoded anything
         with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
             on_primary = conn.execute(
                 "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'"
@@ -461,14 +488,16 @@ def test_stream_decodes_on_a_standby_while_the_application_writes_to_the_primary
         pair.primary.cleanup(keep_logs=True)
     verdict = check(written, received, names.topic_prefix)
     print(
-        f"{verdict}; hint after {hinted:.1f} s, slot created {created:.1f} s after setup-slot "
+        f"{verdict} (after the promotion: {len(after_promotion)}, relay reconnections: "
+        f"{relay.log().count('reconnected')}); hint after {hinted:.1f} s, "
+        f"slot created {created:.1f} s after setup-slot "
         "began (a transaction held open on the primary, then pg_log_standby_snapshot())"
     )
     assert on_primary == (0,)  # the primary decodes nothing
     # The relay confirmed on the standby what it delivered (the LSN rule's cap, the watcher's
     # WAL position, is the standby's replay position there).
     assert confirmed >= max(w.after_commit_lsn for w in written)
-    assert len(written) > 500
+    assert len(written) - len(after_promotion) > 500 and len(after_promotion) > 100
     assert verdict.lost == []
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
