@@ -502,3 +502,28 @@ def test_stream_decodes_on_a_standby_while_the_application_writes_to_the_primary
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
     assert verdict.duplicates == 0  # no crash, no reconnect: nothing sent twice
+
+
+def test_setup_slot_refuses_a_standby_before_16_in_one_line(tmp_path: Path, names: Any) -> None:
+    """PostgreSQL 15 decodes on a primary only: against its standby setup-slot says so."""
+    primary = LocalPostgres(tmp_path / "primary").start()  # the default server's binaries
+    standby = LocalPostgres(
+        tmp_path / "standby", standby_of=primary, settings={"hot_standby_feedback": "on"}
+    )
+    try:
+        with psycopg.connect(primary.dsn, autocommit=True) as conn:
+            conn.execute(OUTBOX_SQL.read_bytes())
+            version = conn.execute("SELECT current_setting('server_version')").fetchone()
+        assert version is not None
+        if int(version[0].split(".")[0]) >= 16:
+            pytest.skip(f"the default server is PostgreSQL {version[0]}, which decodes there")
+        standby.start()
+        refused = _setup_slot_on(standby.dsn, names, tmp_path / "refused")
+        assert refused.wait(60) == 1
+        assert (tmp_path / "refused.err").read_text().splitlines() == [
+            f"cdc-relay: error: this server is a standby, and PostgreSQL {version[0]} decodes on "
+            "a standby only from 16 on; run setup-slot and stream against the primary, or upgrade"
+        ]
+    finally:
+        standby.cleanup(keep_logs=True)
+        primary.cleanup(keep_logs=True)
