@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 from relaytools import (
     RelayProcess,
@@ -273,3 +274,95 @@ def test_an_idle_slot_invalidated_on_18_is_named_by_stream_and_status(
     status = _status(idle.dsn, idle.slot, "--wait", "0")
     assert status.returncode == 3, status.stdout + status.stderr
     assert f"ALERT: {message}" in status.stderr.splitlines(), status.stderr
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", *args], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _unprocessed(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM outbox_events WHERE processed_at IS NULL")
+        return int(row.fetchone()[0])  # type: ignore[index]
+
+
+def test_the_remedy_with_the_commands_there_are_loses_nothing(
+    tmp_path: Path, server: str, kafka_service: Any, names: Any
+) -> None:
+    """README's procedure, as typed: drop-slot, setup-slot, rows before the margin marked
+    processed, poll until nothing is left, stop it, then stream. Every event reaches Kafka, the
+    first delivery of each in order per aggregate; sent twice: those of the margin, and those
+    committed between the new slot and the poller's end (both relays take them)."""
+    with psycopg.connect(server, autocommit=True) as conn:  # poll takes every unprocessed row:
+        conn.execute(f"CREATE DATABASE {names.slot}")  # a database of this test alone
+    dsn = make_conninfo(server, dbname=names.slot)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(schema.text("outbox").encode())
+        conn.execute(schema.text("poller").encode())
+    setup_slot(dsn, names)
+    writer = Writer(dsn)
+    stream_env = relay_env(dsn, kafka_service.bootstrap, names)
+    relay = RelayProcess(tmp_path, stream_env).start()
+    poller = RelayProcess(
+        tmp_path,
+        relay_env(dsn, kafka_service.bootstrap, names, poll_interval="0.2"),
+        name="poll",
+        command="poll",
+    )
+
+    def write(first: int, last: int) -> list[Any]:
+        events = [("order", f"a{n % 4}", {"n": n}) for n in range(first, last)]
+        return [w for event in events for w in writer.transaction([event])]
+
+    try:
+        wait_slot(dsn, names.slot, active=True)
+        relayed = write(0, 20)
+        consume(kafka_service.bootstrap, names.topic_prefix, expected=len(relayed))
+        assert relay.stop() == 0, relay.log()
+        with psycopg.connect(dsn) as conn:
+            # the user's "when the relay last confirmed", less a margin: a row's created_at is
+            # its transaction's start
+            since = conn.execute(
+                "SELECT max(created_at) - interval '1 second' FROM outbox_events"
+            ).fetchone()[0]  # type: ignore[index]
+        missed = write(20, 30)
+        _invalidate(dsn, names.slot)
+
+        _cli("drop-slot", "--dsn", dsn, "--slot", names.slot, "--publication",
+             names.publication, "--yes")  # fmt: skip
+        _cli("setup-slot", "--dsn", dsn, "--slot", names.slot, "--publication", names.publication)
+        with psycopg.connect(dsn) as conn:
+            conn.execute(
+                "UPDATE outbox_events SET processed_at = now()"
+                " WHERE created_at < %s AND processed_at IS NULL",
+                [since],
+            )
+        between = write(30, 35)  # after the new slot, before the poller is done: both take them
+        poller.start()
+        wait_until(lambda: _unprocessed(dsn) == 0, 60, "the poller to publish what is left")
+        assert poller.stop() == 0, poller.log()
+        relay.start()
+        after = write(35, 45)
+        written = relayed + missed + between + after
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert relay.stop() == 0, relay.log()
+    finally:
+        writer.close()
+        relay.close()
+        poller.close()
+    verdict = check(written, received, names.topic_prefix)
+    counts: dict[str, int] = {}
+    for r in received:
+        counts[r.id] = counts.get(r.id, 0) + 1
+    twice = {event_id for event_id, n in counts.items() if n > 1}
+    print(f"{verdict}; sent twice: {len(twice)}")
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert {w.id for w in between} <= twice  # by the poller, then by the new slot
+    assert not {w.id for w in missed} & twice  # by the poller alone
+    assert twice <= {w.id for w in relayed + between}  # the margin's, and those
