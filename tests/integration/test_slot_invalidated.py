@@ -234,48 +234,6 @@ def test_a_slot_invalidated_under_a_paused_relay_stops_it_when_it_reconnects(
     _assert_status_names_it(server, names.slot, message)
 
 
-def test_an_idle_slot_invalidated_on_18_is_named_by_stream_and_status(
-    request: pytest.FixtureRequest,
-    tmp_path: Path,
-    server: str,
-    idle_slot18: IdleSlot,
-    kafka_service: Any,
-    names: Any,
-) -> None:
-    if request.node.callspec.params["server"] != "pg18":
-        pytest.skip("idle_replication_slot_timeout is new in PostgreSQL 18")
-    idle = idle_slot18
-
-    def idled_out() -> bool:
-        with psycopg.connect(idle.dsn, autocommit=True) as conn:
-            conn.execute("CHECKPOINT")  # where PostgreSQL invalidates idle slots
-        return bool(_slot(idle.dsn, idle.slot)["invalidated"])
-
-    waited = time.monotonic()
-    wait_until(idled_out, 120, "the idle timeout to invalidate the slot", interval=2)
-    row = _slot(idle.dsn, idle.slot)
-    print(
-        f"invalidated {time.monotonic() - idle.created:.0f} s after its creation, "
-        f"{time.monotonic() - waited:.0f} s of them waited for here: {row}"
-    )
-    assert row["invalidated"] == "idle_timeout"
-    env = relay_env(idle.dsn, kafka_service.bootstrap, names, slot=idle.slot)
-    relay = RelayProcess(tmp_path, env).start()
-    try:
-        assert relay.wait(120) == 1, relay.log()
-    finally:
-        relay.close()
-    message = _expected(
-        idle.slot,
-        row,
-        "idle_timeout: it was inactive for longer than idle_replication_slot_timeout",
-    )
-    assert relay.log().strip().splitlines()[-1] == f"cdc-relay: error: {message}"
-    status = _status(idle.dsn, idle.slot, "--wait", "0")
-    assert status.returncode == 3, status.stdout + status.stderr
-    assert f"ALERT: {message}" in status.stderr.splitlines(), status.stderr
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [sys.executable, "-m", "cdc_relay", *args], capture_output=True, text=True, timeout=120
@@ -366,3 +324,45 @@ def test_the_remedy_with_the_commands_there_are_loses_nothing(
     assert {w.id for w in between} <= twice  # by the poller, then by the new slot
     assert not {w.id for w in missed} & twice  # by the poller alone
     assert twice <= {w.id for w in relayed + between}  # the margin's, and those
+
+
+def test_an_idle_slot_invalidated_on_18_is_named_by_stream_and_status(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    server: str,
+    idle_slot18: IdleSlot,
+    kafka_service: Any,
+    names: Any,
+) -> None:
+    if request.node.callspec.params["server"] != "pg18":
+        pytest.skip("idle_replication_slot_timeout is new in PostgreSQL 18")
+    idle = idle_slot18
+
+    def idled_out() -> bool:
+        with psycopg.connect(idle.dsn, autocommit=True) as conn:
+            conn.execute("CHECKPOINT")  # where PostgreSQL invalidates idle slots
+        return bool(_slot(idle.dsn, idle.slot)["invalidated"])
+
+    waited = time.monotonic()
+    wait_until(idled_out, 120, "the idle timeout to invalidate the slot", interval=2)
+    row = _slot(idle.dsn, idle.slot)
+    print(
+        f"invalidated {time.monotonic() - idle.created:.0f} s after its creation, "
+        f"{time.monotonic() - waited:.0f} s of them waited for here: {row}"
+    )
+    assert row["invalidated"] == "idle_timeout"
+    env = relay_env(idle.dsn, kafka_service.bootstrap, names, slot=idle.slot)
+    relay = RelayProcess(tmp_path, env).start()
+    try:
+        assert relay.wait(120) == 1, relay.log()
+    finally:
+        relay.close()
+    message = _expected(
+        idle.slot,
+        row,
+        "idle_timeout: it was inactive for longer than idle_replication_slot_timeout",
+    )
+    assert relay.log().strip().splitlines()[-1] == f"cdc-relay: error: {message}"
+    status = _status(idle.dsn, idle.slot, "--wait", "0")
+    assert status.returncode == 3, status.stdout + status.stderr
+    assert f"ALERT: {message}" in status.stderr.splitlines(), status.stderr
