@@ -783,6 +783,7 @@ def status_command(
                 click.echo(f"-- shard {spec.shard}")
             rows = [
                 ("slot", spec.slot if state["exists"] else f"{spec.slot} (missing)"),
+                ("WAL status", state["wal_status"] or "-"),
                 ("active", f"yes (pid {state['active_pid']})" if state["active"] else "no"),
                 ("plugin", state["plugin"] or "-"),
                 ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),

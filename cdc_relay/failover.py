@@ -8,10 +8,15 @@ the copy still needs. The primary's ``synchronized_standby_slots`` makes the rel
 the standby has received the WAL it is sent, so that the copy is never behind what Kafka holds
 from the old primary's stream. ``check`` looks at every host of a (multi-host) connection
 string and says, per setting, what is right and what to run when it is not.
+
+When the slot is lost all the same, ``stream`` and ``status`` say how, in one line with the
+remedy: gone after a promotion (``slot_gone``), or given up on by PostgreSQL
+(``slot_invalidated``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -275,4 +280,33 @@ def slot_gone(slot: str, timeline: int | None) -> str | None:
         "no failover slot, stayed behind; create it with cdc-relay setup-slot (--failover on "
         "PostgreSQL 17+) and republish by created_at what was committed since its last "
         "confirmed position (README: Hot standby and database failover)"
+    )
+
+
+# Why PostgreSQL invalidates a slot (pg_replication_slots.invalidation_reason, 17+; the slot
+# query derives the first two on older versions), in the words of its setting.
+_INVALIDATION_CAUSES = {
+    "wal_removed": "the WAL it held back grew past max_slot_wal_keep_size",
+    "idle_timeout": "it was inactive for longer than idle_replication_slot_timeout",
+    "rows_removed": "the primary removed catalog rows it still needed (on a standby: "
+    "hot_standby_feedback off, or no physical slot between the two)",
+    "wal_level_insufficient": "the primary's wal_level is no longer logical",
+}
+
+
+def slot_invalidated(slot: str, row: Mapping[str, Any]) -> str | None:
+    """Why PostgreSQL gave up on ``slot`` (its row of the ``slot`` query), with the remedy;
+    None while it is usable."""
+    reason = row.get("invalidated")
+    if not reason:
+        return None
+    cause = _INVALIDATION_CAUSES.get(str(reason), f"invalidation_reason {reason}")
+    confirmed = row.get("confirmed_flush_lsn")
+    since = f" ({confirmed})" if confirmed else ""
+    return (
+        f"replication slot {slot!r} was invalidated by PostgreSQL ({reason}: {cause}), so "
+        "the changes it had not confirmed may be gone from the WAL and it can never be streamed "
+        "again; drop it (cdc-relay drop-slot), create it again (cdc-relay setup-slot) and "
+        f"republish by created_at what was committed since its last confirmed position{since} "
+        "(README: A slot PostgreSQL gave up on)"
     )

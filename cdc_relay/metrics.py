@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -46,6 +46,19 @@ BATCH_DURATION = Histogram(
 WAL_RETAINED = Gauge(
     "cdc_relay_slot_wal_retained_bytes",
     "WAL the replication slot holds back (pg_current_wal_lsn() - restart_lsn).",
+)
+SLOT_SAFE_WAL = Gauge(
+    "cdc_relay_slot_safe_wal_bytes",
+    "WAL that may still be written before PostgreSQL may invalidate the slot "
+    "(pg_replication_slots.safe_wal_size; +Inf without max_slot_wal_keep_size, negative once "
+    "past it).",
+)
+SLOT_SAFE_WAL.set(float("inf"))  # until a relay reads its slot: no limit known
+SLOT_INVALIDATED = Gauge(
+    "cdc_relay_slot_invalidated",
+    "1 once PostgreSQL has invalidated the slot (max_slot_wal_keep_size, "
+    "idle_replication_slot_timeout, a conflict on a standby): it can never be streamed again, "
+    "and the relay stops.",
 )
 CONFIRMED_LSN = Gauge(
     "cdc_relay_confirmed_lsn",
@@ -85,6 +98,16 @@ CONNECTED = Gauge(
     "1 while connected to the service.",
     ["service"],
 )
+
+
+def observe_slot(row: Mapping[str, Any]) -> None:
+    """The slot's gauges, from its row of the ``slot`` query (whoever reads it sets them)."""
+    if row.get("retained_bytes") is not None:
+        WAL_RETAINED.set(row["retained_bytes"])
+    invalidated = bool(row.get("invalidated"))
+    SLOT_INVALIDATED.set(1 if invalidated else 0)
+    safe = row.get("safe_wal_bytes")
+    SLOT_SAFE_WAL.set(0 if invalidated else float("inf") if safe is None else safe)
 
 
 class Health:

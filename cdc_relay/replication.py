@@ -7,12 +7,14 @@ status updates the other (PostgreSQL docs, "Streaming Replication Protocol").
 
 from __future__ import annotations
 
+import contextlib
 import select
 import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import psycopg
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 
@@ -20,6 +22,8 @@ from cdc_relay import failover
 from cdc_relay.errors import PreflightError, RelayError, SlotInUseError
 from cdc_relay.events import PG_EPOCH_OFFSET_US
 from cdc_relay.lsn import Lsn, format_lsn, parse
+from cdc_relay.metrics import observe_slot
+from cdc_relay.queries import QUERIES
 
 _XLOG_HEADER = struct.Struct("!QQq")  # WAL start, WAL end, server clock
 _KEEPALIVE = struct.Struct("!Qq?")  # WAL end, server clock, reply requested
@@ -135,18 +139,40 @@ class ReplicationConnection:
                     or f"replication slot {slot!r} does not exist; run cdc-relay setup-slot first"
                 )
             if sqlstate == b"55000":  # object_not_in_prerequisite_state: invalidated
-                raise PreflightError(
-                    f"replication slot {slot!r} cannot be used any more ({message}); events "
-                    "it held may be gone from the WAL: drop it, create it again with cdc-relay "
-                    "setup-slot and republish by created_at what was committed since its "
-                    "last confirmed position (README: Hot standby and database failover)"
-                )
+                raise PreflightError(self._unusable(slot, message))
             raise ConnectionLost(f"START_REPLICATION failed: {message}")
+
+    def _unusable(self, slot: str, message: str) -> str:
+        """Why the server refused to stream ``slot`` (SQLSTATE 55000), in one line: read from
+        the slot's row when PostgreSQL invalidated it."""
+        self._discard_results()
+        row: dict[str, str | None] = {}
+        # The walsender runs plain SQL, by the simple protocol only: the slot's name is
+        # quoted into the query as psycopg would bind it on the client.
+        with contextlib.suppress(psycopg.Error):  # then the server's message will do
+            result = self._conn.exec_((QUERIES["slot"] % {"slot": _quote_literal(slot)}).encode())
+            if result.status == pq.ExecStatus.TUPLES_OK and result.ntuples == 1:
+                row = {
+                    (result.fname(col) or b"").decode(): None
+                    if (v := result.get_value(0, col)) is None
+                    else v.decode()
+                    for col in range(result.nfields)
+                }
+        if row:
+            observe_slot(row)
+        return failover.slot_invalidated(slot, row) or (
+            f"replication slot {slot!r} cannot be streamed: "
+            f"{' '.join(message.split())}; see cdc-relay status"
+        )
+
+    def _discard_results(self) -> None:
+        """Read what remains of a failed command, so that the connection takes another."""
+        while self._conn.get_result() is not None:
+            pass
 
     def _timeline(self) -> int | None:
         """The server's timeline (IDENTIFY_SYSTEM), after a failed command; None if unknown."""
-        while self._conn.get_result() is not None:  # the failed command's remaining results
-            pass
+        self._discard_results()
         try:
             ((_, timeline, *_),) = self.query("IDENTIFY_SYSTEM")
             return int(timeline or 0)

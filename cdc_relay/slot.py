@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -218,6 +219,7 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
             "create it with cdc-relay schema apply outbox (or setup-slot --create-table), or "
             "name yours with --table"
         )
+    _check_standby(conn, server, spec, str(table["name"]))
     slot = _one(conn, "slot", slot=spec.slot)
     if not slot and server["slots_used"] >= server["max_slots"]:
         raise PreflightError(
@@ -237,6 +239,81 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
             "owner, or have an administrator create the publication"
         )
     return str(table["name"])
+
+
+MIN_STANDBY_VERSION_NUM = 160000  # logical decoding on a standby
+STANDBY_HINT_AFTER = 5.0  # seconds a slot's creation on a standby waits before the hint
+
+
+def _check_standby(
+    conn: psycopg.Connection[dict[str, Any]], server: dict[str, Any], spec: SlotSpec, table: str
+) -> None:
+    """On a standby, what decoding there needs: PostgreSQL 16+, hot_standby_feedback, and the
+    publication made on the primary (a standby creates nothing)."""
+    node = _one(conn, "standby")
+    if not node["standby"]:
+        return
+    if server["version_num"] < MIN_STANDBY_VERSION_NUM:
+        raise PreflightError(
+            f"this server is a standby, and PostgreSQL {server['version']} decodes on a "
+            "standby only from 16 on; run setup-slot and stream against the primary, or upgrade"
+        )
+    if not node["hot_standby_feedback"]:
+        raise PreflightError(
+            "this server is a standby with hot_standby_feedback off, so the primary may remove "
+            "catalog rows the slot needs and PostgreSQL would invalidate it; ALTER SYSTEM SET "
+            "hot_standby_feedback = on; SELECT pg_reload_conf() on the standby (with a "
+            "primary_slot_name, so that the primary keeps them across disconnections)"
+        )
+    if spec.failover:
+        raise PreflightError(
+            "this server is a standby, where a slot cannot fail over (its own standbys do not "
+            "copy it); drop --failover, or run setup-slot --failover against the primary"
+        )
+    if not _one(conn, "publication", publication=spec.publication):
+        statement = _publication_statement(spec, table)
+        raise PreflightError(
+            f"this server is a standby, where publication {spec.publication} cannot be created; "
+            f"create it on the primary ({' '.join(statement.as_string(conn).split())}), "
+            "then run setup-slot here again"
+        )
+
+
+def _publication_statement(spec: SlotSpec, table: str) -> sql.Composed:
+    """CREATE PUBLICATION of ``spec`` on ``table`` (quoted by the table query's format('%I.%I'))."""
+    return sql.SQL(
+        QUERIES["create_publication" if spec.shard is None else "create_shard_publication"]
+    ).format(
+        publication=sql.Identifier(spec.publication),
+        table=sql.SQL(table),
+        filter=spec.shard.row_filter(spec.aggregate_column) if spec.shard else sql.SQL(""),
+    )
+
+
+def _create_slot(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> dict[str, Any]:
+    """Create the slot; on a standby, say after a few seconds what its creation waits for."""
+    query = QUERIES["create_failover_slot" if spec.failover else "create_slot"]
+    params = {"slot": spec.slot, "plugin": spec.plugin}
+    hint = None
+    if _one(conn, "standby")["standby"]:
+        hint = threading.Timer(
+            STANDBY_HINT_AFTER,
+            log.warning,
+            [
+                "creating slot %s on a standby waits for the transactions running on the "
+                "primary to end and for the primary to log its running transactions, which it "
+                "does every 15 s while busy and never while idle; run SELECT "
+                "pg_log_standby_snapshot() on the primary to have it now",
+                spec.slot,
+            ],
+        )
+        hint.daemon = True
+        hint.start()
+    try:
+        return conn.execute(query, params).fetchone() or {}
+    finally:
+        if hint is not None:
+            hint.cancel()
 
 
 def setup(
@@ -273,13 +350,7 @@ def setup(
                 raise PreflightError(problem)
             report.existing.append(f"publication {spec.publication} on {table}")
         else:
-            statement = sql.SQL(
-                QUERIES["create_publication" if spec.shard is None else "create_shard_publication"]
-            ).format(
-                publication=sql.Identifier(spec.publication),
-                table=sql.SQL(table),  # quoted by the table query's format('%I.%I')
-                filter=spec.shard.row_filter(spec.aggregate_column) if spec.shard else sql.SQL(""),
-            )
+            statement = _publication_statement(spec, table)
             report.statements.append(statement.as_string(conn) + ";")
             if not dry_run:
                 conn.execute(statement)
@@ -297,15 +368,12 @@ def setup(
                 f"{slot['confirmed_flush_lsn']}"
             )
         else:
-            params = {"slot": spec.slot, "plugin": spec.plugin}
             report.statements.append(
                 f"SELECT pg_create_logical_replication_slot({sql.quote(spec.slot)}, "
                 f"{sql.quote(spec.plugin)}" + (", failover => true);" if spec.failover else ");")
             )
             if not dry_run:
-                query = QUERIES["create_failover_slot" if spec.failover else "create_slot"]
-                row = conn.execute(query, params).fetchone()
-                lsn = row["lsn"] if row else "?"
+                lsn = _create_slot(conn, spec).get("lsn", "?")
                 kind = f"{spec.plugin}, failover" if spec.failover else spec.plugin
                 report.done.append(f"created slot {spec.slot} ({kind}) at {lsn}")
     return report
@@ -416,7 +484,7 @@ def status(
         )
         database = _one(conn, "server")["database"]
         problem = (
-            slot_problem(slot, slot_name, database)
+            slot_problem(slot, slot_name, database) or failover.slot_invalidated(slot_name, slot)
             if slot
             else failover.slot_gone(slot_name, _one(conn, "timeline").get("timeline"))
         )
@@ -443,6 +511,9 @@ def status(
         "plugin": slot.get("plugin"),
         "confirmed_flush_lsn": slot.get("confirmed_flush_lsn"),
         "wal_retained_bytes": slot.get("retained_bytes"),
+        "wal_status": slot.get("wal_status"),
+        "safe_wal_bytes": slot.get("safe_wal_bytes"),
+        "invalidated": slot.get("invalidated"),
         "table": found.get("name") if found else table,
         "slot_relays_table": relays,
         "publication": publication,

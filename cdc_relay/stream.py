@@ -63,6 +63,7 @@ from cdc_relay.metrics import (
     SHARD,
     SINCE_LAST_EVENT,
     Health,
+    observe_slot,
 )
 from cdc_relay.queries import QUERIES
 from cdc_relay.refusals import Fate, fate, header, is_culprit, log_refusal, refusal_error
@@ -745,6 +746,9 @@ class StreamRelay:
                     or f"replication slot {settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
                 )
+            observe_slot(slot)
+            if invalidated := failover.slot_invalidated(settings.slot, slot):
+                raise PreflightError(invalidated)
             if slot["plugin"] not in PLUGINS:
                 raise PreflightError(
                     f"slot {settings.slot} uses {slot['plugin']}; stream decodes "

@@ -18,7 +18,7 @@ import psycopg
 from psycopg.rows import dict_row
 
 from cdc_relay.lsn import Lsn, parse
-from cdc_relay.metrics import WAL_RETAINED
+from cdc_relay.metrics import observe_slot
 from cdc_relay.queries import QUERIES
 from cdc_relay.shards import Shard
 from cdc_relay.slot import OutboxTable, coverage_problem, table_by_oid
@@ -171,5 +171,5 @@ class Watcher:
             self.verified = max(self.verified, lsn)
         if wal:
             slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()
-            if slot and slot.get("retained_bytes") is not None:
-                WAL_RETAINED.set(slot["retained_bytes"])
+            if slot:
+                observe_slot(slot)

@@ -112,8 +112,10 @@ WITH RECURSIVE b(oid) AS (
 SELECT array_agg(oid::bigint) AS oids FROM b
 
 -- wal_lsn --
--- The WAL insert position now
-SELECT pg_current_wal_lsn()::text AS lsn
+-- The WAL insert position now; on a standby (decoding there, PostgreSQL 16+), the position it
+-- has replayed up to, which is as far as its walsenders decode
+SELECT coalesce(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                     ELSE pg_current_wal_lsn() END, '0/0')::text AS lsn
 
 -- store_dead_letter --
 -- An event Kafka refused for good, with its content, before the slot moves past it
@@ -130,7 +132,12 @@ SELECT to_regclass('cdc_relay_dead_letters') IS NOT NULL
        AND has_table_privilege('cdc_relay_dead_letters', 'INSERT, UPDATE') AS writable
 
 -- slot --
--- A replication slot by name, with its position and the WAL it holds back
+-- A replication slot by name, with its position and the WAL it holds back (on a standby, up to
+-- the position it has replayed). `invalidated` says why PostgreSQL gave up on the slot, NULL
+-- while it is usable: invalidation_reason on 17+ (idle_timeout on 18), before that `conflicting`
+-- on a standby (16) and wal_status 'lost' (max_slot_wal_keep_size); read through to_jsonb,
+-- so that one query serves every version. safe_wal_size: WAL that may still be written before
+-- the slot is at risk (NULL without max_slot_wal_keep_size, and once lost).
 SELECT s.plugin,
        s.slot_type,
        s.database,
@@ -138,9 +145,21 @@ SELECT s.plugin,
        s.active_pid,
        s.confirmed_flush_lsn::text AS confirmed_flush_lsn,
        s.restart_lsn::text AS restart_lsn,
-       pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint AS retained_bytes
+       pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                            ELSE pg_current_wal_lsn() END, s.restart_lsn)::bigint AS retained_bytes,
+       s.wal_status,
+       s.safe_wal_size::bigint AS safe_wal_bytes,
+       coalesce(to_jsonb(s) ->> 'invalidation_reason',
+                CASE WHEN (to_jsonb(s) ->> 'conflicting')::bool THEN 'rows_removed' END,
+                CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' END) AS invalidated
 FROM pg_replication_slots s
 WHERE s.slot_name = %(slot)s
+
+-- standby --
+-- Whether the server is a standby, and what decoding there (PostgreSQL 16+) needs of it
+SELECT pg_is_in_recovery() AS standby,
+       current_setting('hot_standby_feedback')::bool AS hot_standby_feedback,
+       current_setting('primary_slot_name') AS primary_slot_name
 
 -- create_slot --
 -- A logical slot; waits for transactions running now to finish

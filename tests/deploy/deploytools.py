@@ -36,6 +36,8 @@ METRICS = {
     "outbox_dead_letters": "gauge",
     "outbox_batch_duration_seconds": "histogram",
     "cdc_relay_slot_wal_retained_bytes": "gauge",
+    "cdc_relay_slot_safe_wal_bytes": "gauge",
+    "cdc_relay_slot_invalidated": "gauge",
     "cdc_relay_confirmed_lsn": "gauge",
     "cdc_relay_end_to_end_latency_seconds": "histogram",
     "cdc_relay_events_in_flight": "gauge",

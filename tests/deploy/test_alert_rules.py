@@ -27,6 +27,8 @@ EXPECTED = {
     "OutboxBatchSlow": ("histogram_quantile(0.95,", "5m"),
     "CdcRelayMetricsAbsent": ("absent(outbox_events_pending)", "10m"),
     "CdcRelayWalRetainedHigh": (f"(cdc_relay_slot_wal_retained_bytes) > {GiB}", "5m"),
+    "CdcRelaySlotNearInvalidation": ("cdc_relay_slot_safe_wal_bytes)) > 0.8", "5m"),
+    "CdcRelaySlotInvalidated": ("max_over_time(cdc_relay_slot_invalidated[1h])) > 0", None),
     "CdcRelayDisconnected": ("(cdc_relay_connected) == 0", "2m"),
     "CdcRelayLatencyHigh": ("histogram_quantile(0.99,", "5m"),
 }

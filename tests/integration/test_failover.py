@@ -354,3 +354,176 @@ def test_setup_slot_failover_says_what_is_missing_in_one_line_each(
             "SELECT failover FROM pg_replication_slots WHERE slot_name = %s", [names.slot]
         ).fetchone()
     assert failover == (True,)
+
+
+def _setup_slot_on(dsn: str, names: Any, out: Path) -> subprocess.Popen[bytes]:
+    """setup-slot (no failover) as a process, its stdout and stderr in ``out``.out/.err."""
+    with out.with_suffix(".out").open("wb") as stdout, out.with_suffix(".err").open("wb") as err:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "cdc_relay",
+                "setup-slot",
+                "--dsn",
+                dsn,
+                "--slot",
+                names.slot,
+                "--publication",
+                names.publication,
+            ],
+            stdout=stdout,
+            stderr=err,
+        )
+
+
+def _set(server: LocalPostgres, setting: str, value: str) -> None:
+    """Restart ``server`` with ``setting`` (given on its command line, which ALTER SYSTEM does
+    not override)."""
+    server.settings[setting] = value
+    server.restart()
+
+
+def _active_on(dsn: str, slot: str) -> bool:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = %s", [slot]
+        ).fetchone()
+    return bool(row and row[0])
+
+
+def test_stream_decodes_on_a_standby_while_the_application_writes_to_the_primary(
+    tmp_path: Path, pg18_bin: Path, kafka_service: Any, names: Any
+) -> None:
+    """Decoding on a standby (PostgreSQL 16+): the slot and the walsender are the standby's,
+    the primary only takes the writes."""
+    pair = _start_pair(tmp_path, pg18_bin, {})  # asynchronous, hot_standby_feedback on
+    primary, standby = pair.primary.dsn_for(DATABASE), pair.standby.dsn_for(DATABASE)
+    relay = RelayProcess(tmp_path, relay_env(standby, kafka_service.bootstrap, names))
+    try:
+        _set(pair.standby, "hot_standby_feedback", "off")
+        refused = _setup_slot_on(standby, names, tmp_path / "no-feedback")
+        assert refused.wait(60) == 1
+        assert (tmp_path / "no-feedback.err").read_text().splitlines() == [
+            "cdc-relay: error: this server is a standby with hot_standby_feedback off, so the "
+            "primary may remove catalog rows the slot needs and PostgreSQL would invalidate it; "
+            "ALTER SYSTEM SET hot_standby_feedback = on; SELECT pg_reload_conf() on the standby "
+            "(with a primary_slot_name, so that the primary keeps them across disconnections)"
+        ]
+        _set(pair.standby, "hot_standby_feedback", "on")  # as the line says
+
+        refused = _setup_slot_on(standby, names, tmp_path / "refused")
+        assert refused.wait(60) == 1
+        (line,) = (tmp_path / "refused.err").read_text().splitlines()
+        statement = (
+            f'CREATE PUBLICATION "{names.publication}" FOR TABLE public.outbox_events '
+            "WITH (publish = 'insert', publish_via_partition_root = true)"
+        )
+        assert line == (
+            f"cdc-relay: error: this server is a standby, where publication {names.publication} "
+            f"cannot be created; create it on the primary ({statement}), then run setup-slot "
+            "here again"
+        )
+        with psycopg.connect(primary, autocommit=True) as conn:
+            conn.execute(statement)  # as the line says
+
+        # A transaction running on the primary holds the slot's creation until it ends and
+        # the primary logs its running transactions: setup-slot says so after a few seconds.
+        with psycopg.connect(primary) as running:
+            running.execute("SELECT pg_current_xact_id()")
+            begun = time.monotonic()
+            creating = _setup_slot_on(standby, names, tmp_path / "setup")
+            wait_until(
+                lambda: "pg_log_standby_snapshot()" in (tmp_path / "setup.err").read_text(),
+                30,
+                "the hint",
+            )
+            hinted = time.monotonic() - begun
+            assert creating.poll() is None
+        with psycopg.connect(primary, autocommit=True) as conn:
+            while creating.poll() is None and time.monotonic() - begun < 90:
+                conn.execute("SELECT pg_log_standby_snapshot()")
+                time.sleep(0.5)
+        assert creating.wait(1) == 0, (tmp_path / "setup.err").read_text()
+        created = time.monotonic() - begun
+        (hint,) = (tmp_path / "setup.err").read_text().splitlines()
+        assert hint == (
+            f"creating slot {names.slot} on a standby waits for the transactions running on "
+            "the primary to end and for the primary to log its running transactions, which it "
+            "does every 15 s while busy and never while idle; run SELECT "
+            "pg_log_standby_snapshot() on the primary to have it now"
+        )
+        assert f"created slot {names.slot} (pgoutput)" in (tmp_path / "setup.out").read_text()
+
+        relay.start()
+        wait_until(lambda: _active_on(standby, names.slot), 60, "the relay on the standby's slot")
+        load = Load(primary, writers=3, pause=0.002).start()
+        time.sleep(8)
+        written = load.stop()
+        # Then the primary stops and the standby is promoted: the slot is the standby's own,
+        # so the relay goes on with what the new primary commits.
+        pair.primary.stop("fast")
+        pair.standby.promote()
+        load = Load(standby, writers=3, pause=0.002).start()
+        time.sleep(4)
+        after_promotion = load.stop()
+        written += after_promotion
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert relay.alive(), relay.log()
+        assert relay.stop() == 0, relay.log()
+        with psycopg.connect(standby, autocommit=True) as conn:
+            row = conn.execute(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
+                [names.slot],
+            ).fetchone()
+        confirmed = parse_lsn(row[0]) if row else 0
+        pair.primary.start()  # the old primary, as it was: it never decoded anything
+        with psycopg.connect(pair.primary.dsn, autocommit=True) as conn:
+            on_primary = conn.execute(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_type = 'logical'"
+            ).fetchone()
+    finally:
+        relay.close()
+        pair.standby.cleanup(keep_logs=True)
+        pair.primary.cleanup(keep_logs=True)
+    verdict = check(written, received, names.topic_prefix)
+    print(
+        f"{verdict} (after the promotion: {len(after_promotion)}, relay reconnections: "
+        f"{relay.log().count('reconnected')}); hint after {hinted:.1f} s, "
+        f"slot created {created:.1f} s after setup-slot "
+        "began (a transaction held open on the primary, then pg_log_standby_snapshot())"
+    )
+    assert on_primary == (0,)  # the primary decodes nothing
+    # The relay confirmed on the standby what it delivered (the LSN rule's cap, the watcher's
+    # WAL position, is the standby's replay position there).
+    assert confirmed >= max(w.after_commit_lsn for w in written)
+    assert len(written) - len(after_promotion) > 500 and len(after_promotion) > 100
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert verdict.duplicates == 0  # no crash, no reconnect: nothing sent twice
+
+
+def test_setup_slot_refuses_a_standby_before_16_in_one_line(tmp_path: Path, names: Any) -> None:
+    """PostgreSQL 15 decodes on a primary only: against its standby setup-slot says so."""
+    primary = LocalPostgres(tmp_path / "primary").start()  # the default server's binaries
+    standby = LocalPostgres(
+        tmp_path / "standby", standby_of=primary, settings={"hot_standby_feedback": "on"}
+    )
+    try:
+        with psycopg.connect(primary.dsn, autocommit=True) as conn:
+            conn.execute(OUTBOX_SQL.read_bytes())
+            version = conn.execute("SELECT current_setting('server_version')").fetchone()
+        assert version is not None
+        if int(version[0].split(".")[0]) >= 16:
+            pytest.skip(f"the default server is PostgreSQL {version[0]}, which decodes there")
+        standby.start()
+        refused = _setup_slot_on(standby.dsn, names, tmp_path / "refused")
+        assert refused.wait(60) == 1
+        assert (tmp_path / "refused.err").read_text().splitlines() == [
+            f"cdc-relay: error: this server is a standby, and PostgreSQL {version[0]} decodes on "
+            "a standby only from 16 on; run setup-slot and stream against the primary, or upgrade"
+        ]
+    finally:
+        standby.cleanup(keep_logs=True)
+        primary.cleanup(keep_logs=True)

@@ -290,9 +290,18 @@ def test_broker_killed_then_started(make_run: MakeRun, kafka_service: Any) -> No
 # -- PostgreSQL ---------------------------------------------------------------------------------
 
 
+def _on(request: pytest.FixtureRequest) -> str:
+    """How the results table names the server of a ``pg18`` test's run: the default one not at
+    all, PostgreSQL 18 so."""
+    return " on PostgreSQL 18" if request.node.callspec.params["postgres_service"] == "pg18" else ""
+
+
+@pytest.mark.pg18
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
-def test_postgres_restarted(make_run: MakeRun, postgres_service: Any, mode: str) -> None:
-    run = make_run(f"PostgreSQL restart ({mode} shutdown)").start()
+def test_postgres_restarted(
+    request: pytest.FixtureRequest, make_run: MakeRun, postgres_service: Any, mode: str
+) -> None:
+    run = make_run(f"PostgreSQL restart ({mode} shutdown){_on(request)}").start()
     with run.fault(f"PostgreSQL {mode} restart"):
         try:
             postgres_service.stop(mode)
@@ -304,15 +313,17 @@ def test_postgres_restarted(make_run: MakeRun, postgres_service: Any, mode: str)
 # -- the network --------------------------------------------------------------------------------
 
 
+@pytest.mark.pg18
 @pytest.mark.parametrize("mode", CUTS)
 def test_network_to_postgres_cut_then_restored(
-    make_run: MakeRun, outbox_db: str, mode: Mode
+    request: pytest.FixtureRequest, make_run: MakeRun, outbox_db: str, mode: Mode
 ) -> None:
     server = conninfo_to_dict(outbox_db)
     proxy = TcpProxy(str(server.get("host", "127.0.0.1")), int(server.get("port", 5432)))
     try:
         relay_dsn = make_conninfo(outbox_db, host="127.0.0.1", port=str(proxy.port))
-        run = make_run(f"network to PostgreSQL cut for {OUTAGE:g} s ({mode})", relay_dsn=relay_dsn)
+        scenario = f"network to PostgreSQL cut for {OUTAGE:g} s ({mode}){_on(request)}"
+        run = make_run(scenario, relay_dsn=relay_dsn)
         run.start()
         before = proxy.accepted
         assert before > 0  # the relays do go through the proxy
