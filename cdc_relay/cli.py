@@ -29,7 +29,7 @@ from cdc_relay.config import (
 )
 from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
+from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce, checkpoint_status
 from cdc_relay.exactly_once import transactional_id as eos_id
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
@@ -124,6 +124,14 @@ _SHARDS = _option(
     type=click.IntRange(1, MAX_SHARDS),
     help="Work on N shards: slots and publications named SLOT_KofN and PUBLICATION_KofN, each "
     "publication filtered on a hash of the aggregate id (PostgreSQL 15 or newer).",
+)
+
+
+_CHECKPOINT_TOPIC = _option(
+    "--checkpoint-topic",
+    default=DEFAULT_CHECKPOINT_TOPIC,
+    show_default=True,
+    help="The compacted topic of stream --exactly-once's checkpoints.",
 )
 
 
@@ -669,6 +677,19 @@ def reshard_command(
     help="Seconds to wait for the slot to confirm the WAL position status starts at, to tell "
     "confirmed rows from unconfirmed ones (stream).",
 )
+@_option(
+    "--exactly-once",
+    is_flag=True,
+    help="The slot is streamed with --exactly-once: show the checkpoint its committed Kafka "
+    "transactions reach (read_committed) beside the slot's position; needs --kafka-bootstrap.",
+)
+@_option(
+    "--transactional-id",
+    metavar="ID",
+    help="The transactional id of --exactly-once.  [default: cdc-relay-SLOT]",
+)
+@_CHECKPOINT_TOPIC
+@kafka_options(required=False)
 def status_command(
     dsn: str,
     slot: str,
@@ -682,16 +703,32 @@ def status_command(
     max_dead_letters: int | None,
     require_active: bool,
     wait: float,
+    exactly_once: bool,
+    transactional_id: str | None,
+    checkpoint_topic: str,
+    kafka_bootstrap: str | None,
+    kafka_config: tuple[str, ...],
+    kafka_config_file: Path | None,
+    kafka_timeout: float,
+    **_: Any,
 ) -> None:
     """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
 
     A stream outbox's rows are told apart: confirmed by the slot (on Kafka) or not yet. With
-    --shards N, every shard's slot. With thresholds it is a check for scripts and cron: exit 3
-    when one is crossed.
+    --shards N, every shard's slot. With --exactly-once, the checkpoint in Kafka too. With
+    thresholds it is a check for scripts and cron: exit 3 when one is crossed.
     """
+    kafka = None
+    if exactly_once:
+        if not kafka_bootstrap:
+            raise UsageError("status --exactly-once reads the checkpoint: give --kafka-bootstrap")
+        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
     states, alerts = [], []
     for spec in _specs(slot, publication, table, shards):
         state = status(dsn, spec.slot, table, spec.publication, wait)
+        if kafka is not None:
+            eos = ExactlyOnce(transactional_id or eos_id(spec.slot), checkpoint_topic)
+            state["checkpoint"] = checkpoint_status(kafka, eos, kafka_timeout).as_json()
         mine = []
         if not state["exists"]:
             mine.append(f"slot {spec.slot} does not exist")
@@ -731,6 +768,11 @@ def status_command(
                 ("active", f"yes (pid {state['active_pid']})" if state["active"] else "no"),
                 ("plugin", state["plugin"] or "-"),
                 ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
+                *(
+                    [("checkpoint", state["checkpoint"]["summary"])]
+                    if "checkpoint" in state
+                    else []
+                ),
                 ("WAL retained", _bytes(state["wal_retained_bytes"])),
                 ("outbox table", state["table"]),
                 ("publication", _publication(state)),

@@ -30,7 +30,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError
-from cdc_relay.lsn import Lsn
+from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 from cdc_relay.sink import Acked, KafkaSink, Refused
 
@@ -127,40 +127,77 @@ def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> None:
 
 def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: float) -> Checkpoint:
     """The last committed checkpoint of ``key`` (read_committed); an empty one if none."""
-    wanted = {
-        k: v
-        for k, v in config.items()
-        if k.startswith(("bootstrap.", "security.", "ssl.", "sasl.", "client."))
-    }
+    try:
+        found = committed_checkpoint(config, topic, key, timeout)
+    except NoCheckpointTopic:
+        return Checkpoint()
+    return found or Checkpoint()
+
+
+class NoCheckpointTopic(KafkaUnavailableError):
+    """The checkpoint topic does not exist: nothing was ever committed through it."""
+
+
+def committed_checkpoint(
+    config: Mapping[str, str], topic: str, key: str, timeout: float
+) -> Checkpoint | None:
+    """The last checkpoint record of ``key`` in committed Kafka transactions (read with
+    read_committed), None if there is none; within ``timeout`` seconds in all, else
+    KafkaUnavailableError (NoCheckpointTopic when the topic does not exist)."""
+    deadline = time.monotonic() + timeout
+    errors: list[KafkaError] = []
     consumer = Consumer(
         {
-            **wanted,
+            **_client_settings(config),
             "group.id": f"cdc-relay-checkpoint-{key}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
+            # an unreachable broker is said once, in the exception, not logged line by line
+            "error_cb": errors.append,
+            "log_level": 0,
         }
     )
-    found = Checkpoint()
+
+    def left() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    found = None
     try:
-        partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
-        assigned = []
-        ends = {}
-        for partition in partitions:
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=timeout
-            )
-            if high > low:
-                assigned.append(TopicPartition(topic, partition, low))
-                ends[partition] = high
+        try:
+            metadata = consumer.list_topics(topic, timeout=left()).topics[topic]
+        except KafkaException as exc:
+            raise KafkaUnavailableError(
+                _unreadable(config, topic, timeout, exc.args[0], errors)
+            ) from None
+        if metadata.error is not None:
+            if metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise NoCheckpointTopic(
+                    f"the checkpoint topic {topic} does not exist; stream --exactly-once or "
+                    "setup-slot --exactly-once creates it"
+                )
+            raise KafkaUnavailableError(_unreadable(config, topic, timeout, metadata.error, errors))
+        try:
+            assigned = []
+            ends = {}
+            for partition in metadata.partitions:
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=left()
+                )
+                if high > low:
+                    assigned.append(TopicPartition(topic, partition, low))
+                    ends[partition] = high
+        except KafkaException as exc:
+            raise KafkaUnavailableError(
+                _unreadable(config, topic, timeout, exc.args[0], errors)
+            ) from None
         consumer.assign(assigned)
-        deadline = time.monotonic() + timeout
         while ends:
             if time.monotonic() > deadline:
                 raise KafkaUnavailableError(
                     f"could not read the checkpoint topic {topic} within {timeout:g}s"
                 )
-            msg = consumer.poll(0.5)
+            msg = consumer.poll(min(0.5, left()))
             if msg is None:
                 continue
             error, partition = msg.error(), msg.partition() or 0
@@ -168,7 +205,7 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
                 if error.code() == KafkaError._PARTITION_EOF:
                     ends.pop(partition, None)
                     continue
-                raise KafkaUnavailableError(f"reading {topic}: {error.str()}")
+                raise KafkaUnavailableError(_unreadable(config, topic, timeout, error, errors))
             value = msg.value()
             if msg.key() == key.encode() and value:
                 found = Checkpoint.decode(value)
@@ -177,6 +214,96 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
     finally:
         consumer.close()
     return found
+
+
+def _client_settings(config: Mapping[str, str]) -> dict[str, str]:
+    """What a consumer or admin client takes of the producer's settings: where and how to
+    connect."""
+    return {
+        k: v
+        for k, v in config.items()
+        if k.startswith(("bootstrap.", "security.", "ssl.", "sasl.", "client."))
+    }
+
+
+def _unreadable(
+    config: Mapping[str, str],
+    topic: str,
+    timeout: float,
+    err: KafkaError,
+    errors: list[KafkaError],
+) -> str:
+    if err.code() in (
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.GROUP_AUTHORIZATION_FAILED,
+    ):
+        return (
+            f"Kafka refused to let the relay read the checkpoint topic {topic}: {err.str()}; "
+            "grant its principal READ and DESCRIBE on that topic"
+        )
+    where = config.get("bootstrap.servers", "?")
+    reasons = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+    reason = reasons[-1] if reasons else err.str()
+    return (
+        f"no Kafka broker answered at {where} within {timeout:g}s ({reason}); check "
+        "--kafka-bootstrap and that the broker is running"
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """What ``cdc-relay status`` says of a slot streamed with --exactly-once."""
+
+    transactional_id: str
+    topic: str
+    checkpoint: Checkpoint | None  # None: no committed record, or Kafka did not say
+    problem: str | None = None  # why Kafka did not say
+    absent: str | None = None  # why there is no checkpoint, when it is not for lack of commits
+
+    def as_json(self) -> dict[str, Any]:
+        ckpt = self.checkpoint
+        return {
+            "transactional_id": self.transactional_id,
+            "topic": self.topic,
+            "position": format_lsn(ckpt.position) if ckpt else None,
+            "partial_position": format_lsn(ckpt.partial_position)
+            if ckpt and ckpt.partial_events
+            else None,
+            "partial_events": ckpt.partial_events if ckpt else None,
+            "problem": self.problem or self.absent,
+            "summary": self.describe(),
+        }
+
+    def describe(self) -> str:
+        """One line for the status table."""
+        of = f"(transactional id {self.transactional_id}, topic {self.topic})"
+        ckpt = self.checkpoint
+        if self.problem is not None:
+            return f"unknown {of}: {self.problem}"
+        if ckpt is None:
+            why = self.absent or "no Kafka transaction with this id has committed yet"
+            return f"none {of}: {why}"
+        partial = (
+            f", and {ckpt.partial_events} events of the transaction at "
+            f"{format_lsn(ckpt.partial_position)}"
+            if ckpt.partial_events
+            else ""
+        )
+        return f"{format_lsn(ckpt.position)}{partial} {of}"
+
+
+def checkpoint_status(
+    config: Mapping[str, str], eos: ExactlyOnce, timeout: float
+) -> CheckpointStatus:
+    """The committed checkpoint of ``eos``'s transactional id, or why it cannot be read;
+    within about ``timeout`` seconds, never raising for Kafka's sake."""
+    try:
+        found = committed_checkpoint(config, eos.checkpoint_topic, eos.transactional_id, timeout)
+    except NoCheckpointTopic as exc:
+        return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, absent=str(exc))
+    except KafkaUnavailableError as exc:
+        return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, str(exc))
+    return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, found)
 
 
 class TransactionAborted(Exception):

@@ -4,8 +4,12 @@ consumer sees every event once, in order, whatever kills the relay (ARCHITECTURE
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,9 @@ from relaytools import (
     wait_slot,
     wait_until,
 )
+
+from cdc_relay.devstack import free_ports
+from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +163,97 @@ def test_an_event_kafka_refuses_stops_the_relay_and_nothing_is_published_twice(
     assert verdict.duplicates == 0  # the innocents refused with it were aborted, not shown
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cdc_relay", *args],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_status_shows_the_checkpoint_beside_the_slot_or_says_why_not(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """status --exactly-once reads the committed checkpoint record of the slot's
+    transactional id: none before the first commit (the topic missing, then no record of
+    this id), then the commit LSN of the last transaction relayed; with Kafka unreachable it
+    says so within --kafka-timeout, and the slot's rows are shown all the same."""
+    setup_slot(outbox_db, names)
+    ckpt_topic = f"{names.topic_prefix}_checkpoints"
+    base = [
+        "status",
+        "--dsn",
+        outbox_db,
+        "--slot",
+        names.slot,
+        "--publication",
+        names.publication,
+        "--wait",
+        "0",
+        "--exactly-once",
+        "--checkpoint-topic",
+        ckpt_topic,
+        "--kafka-timeout",
+        "3",
+    ]
+    tid = f"cdc-relay-{names.slot}"
+
+    def shown(*more: str, bootstrap: str = kafka_service.bootstrap) -> dict[str, Any]:
+        result = cli(*base, "--kafka-bootstrap", bootstrap, "--json", *more)
+        assert result.returncode == 0, result.stderr
+        state = json.loads(result.stdout)
+        assert state["confirmed_flush_lsn"]  # the slot's part is there too
+        return dict(state["checkpoint"])
+
+    before = shown()
+    assert before["position"] is None
+    assert before["transactional_id"] == tid
+    assert f"the checkpoint topic {ckpt_topic} does not exist" in before["summary"]
+
+    relay = eos_relay(tmp_path, outbox_db, kafka_service, names).start()
+    try:
+        writer = Writer(outbox_db)
+        first = writer.transaction([("order", "a1", {"n": 1})])[0]
+        last = writer.transaction([("order", "a1", {"n": 2}), ("order", "a2", {"n": 3})])[0]
+        writer.close()
+        received = consume(kafka_service.bootstrap, names.topic_prefix, 3, 60, settle=0.5)
+        assert len(received) == 3
+        wait_until(
+            lambda: (shown()["position"] or "0/0") != "0/0", 30, "a checkpoint in Kafka", 0.5
+        )
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    after = shown()
+    # The last PostgreSQL transaction is in: the position is its commit record's LSN, after
+    # the first transaction's end and before the WAL position read after the last one.
+    position = parse_lsn(after["position"])
+    assert first.after_commit_lsn <= position < last.after_commit_lsn, after
+    assert after["partial_events"] == 0
+    assert after["problem"] is None
+    text = cli(*base, "--kafka-bootstrap", kafka_service.bootstrap)
+    assert text.returncode == 0, text.stderr
+    line = next(line for line in text.stdout.splitlines() if line.startswith("checkpoint "))
+    assert line.split()[1] == after["position"], text.stdout
+    assert f"transactional id {tid}, topic {ckpt_topic}" in line
+
+    other = shown("--transactional-id", "another-relay")
+    assert other["position"] is None
+    assert "no Kafka transaction with this id has committed yet" in other["summary"]
+
+    (port,) = free_ports(1)
+    started = time.monotonic()
+    gone = cli(*base, "--kafka-bootstrap", f"127.0.0.1:{port}")
+    took = time.monotonic() - started
+    print(f"status with Kafka unreachable (--kafka-timeout 3) took {took:.1f}s")
+    assert gone.returncode == 0, gone.stderr
+    assert "Traceback" not in gone.stderr
+    line = next(line for line in gone.stdout.splitlines() if line.startswith("checkpoint "))
+    assert f"unknown (transactional id {tid}" in line
+    assert f"no Kafka broker answered at 127.0.0.1:{port} within 3s" in line
+    assert "confirmed LSN" in gone.stdout
+    assert took < 15
