@@ -11,22 +11,27 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
+from confluent_kafka import Consumer, KafkaError
 from relaytools import (
     Load,
     RelayProcess,
     Writer,
     check,
     consume,
+    create_topics,
     relay_env,
     setup_slot,
     slot_row,
     wait_slot,
     wait_until,
 )
+from test_observability import scrape
 
 from cdc_relay.devstack import free_ports
 from cdc_relay.lsn import parse as parse_lsn
@@ -163,6 +168,137 @@ def test_an_event_kafka_refuses_stops_the_relay_and_nothing_is_published_twice(
     assert verdict.duplicates == 0  # the innocents refused with it were aborted, not shown
     assert verdict.out_of_order == []
     assert verdict.mismatched == []
+
+
+# A million events take about 3.5 minutes here on a shared machine (written in 43 s, all read
+# back after 176 s, 777 Kafka transactions); 200,000 take about a minute and still make
+# dozens (95 in a run). CDC_RELAY_TEST_BIG_TRANSACTION=1000000 runs the million.
+BIG = int(os.environ.get("CDC_RELAY_TEST_BIG_TRANSACTION", "200000"))
+
+
+def vm_kib(pid: int, field: str) -> int:
+    """A memory figure of /proc/PID/status, in KiB (VmRSS now, VmHWM its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def read_big(bootstrap: str, topic: str, count: int, timeout: float) -> tuple[bytearray, list[str]]:
+    """How many times a read_committed consumer sees each event ``i`` of the big transaction,
+    and the aggregates whose events it sees out of order. Lean: a million events fit."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"check-{uuid.uuid4()}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+        }
+    )
+    consumer.subscribe([topic])
+    seen = bytearray(count)
+    distinct = 0
+    last: dict[bytes, int] = {}
+    disorder: set[str] = set()
+    deadline = time.monotonic() + timeout
+    settle_until = None
+    try:
+        while time.monotonic() < (settle_until or deadline):
+            for msg in consumer.consume(10_000, 0.5):
+                if msg.error():
+                    if msg.error().code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                        continue
+                    raise AssertionError(f"consumer error: {msg.error()}")
+                i = json.loads(msg.value())["i"]
+                distinct += not seen[i]
+                seen[i] = min(seen[i] + 1, 255)
+                key = msg.key()
+                if last.get(key, -1) >= i:
+                    disorder.add(key.decode())
+                last[key] = i
+            if distinct == count and settle_until is None:
+                settle_until = time.monotonic() + 3  # then a little more, for duplicates
+    finally:
+        consumer.close()
+    return seen, sorted(disorder)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_huge_transaction_streams_through_many_kafka_transactions_in_bounded_memory(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """One PostgreSQL transaction of BIG events (200,000 by default): the relay splits it
+    into Kafka transactions of at most 10,000 events, each committed with a checkpoint in the
+    middle of the PostgreSQL transaction, so no Kafka transaction lives long (the producer's
+    transaction.timeout.ms is cut to 10 s here: a relay holding one Kafka transaction for the
+    whole PostgreSQL one would be aborted by the broker) and the relay's memory does not grow
+    with the transaction. A read_committed consumer sees every event once, in order."""
+    setup_slot(outbox_db, names)
+    (port,) = free_ports(1)
+    relay = eos_relay(
+        tmp_path,
+        outbox_db,
+        kafka_service,
+        names,
+        metrics_port=str(port),
+        kafka_config="transaction.timeout.ms=10000",
+    )
+    topic = f"{names.topic_prefix}.big"
+    create_topics(kafka_service.bootstrap, {topic: {}})
+    relay.start()
+    try:
+        writer = Writer(outbox_db)
+        writer.transaction([("warmup", "w", {"i": 0})])  # the relay's memory at work, before
+        delivering(outbox_db, names.slot)
+        assert relay.proc is not None
+        before = vm_kib(relay.proc.pid, "VmHWM")
+        writer.close()
+        started = time.monotonic()
+        with psycopg.connect(outbox_db) as conn:
+            # one statement, one transaction: ids and order are known from i
+            conn.execute(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) "
+                "SELECT 'big', 'a' || (i %% 64), 'big.changed', "
+                "jsonb_build_object('i', i, 'pad', repeat('x', 100)) "
+                "FROM generate_series(0, %s - 1) AS i",
+                [BIG],
+            )
+        written = time.monotonic() - started
+        seen, disorder = read_big(kafka_service.bootstrap, topic, BIG, timeout=600)
+        relayed = time.monotonic() - started
+        samples = scrape(port)
+        peak = vm_kib(relay.proc.pid, "VmHWM")
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    lost = seen.count(0)
+    duplicates = sum(n - 1 for n in seen if n > 1)
+    committed = samples['cdc_relay_kafka_transactions_total{outcome="committed"}']
+    aborted = samples.get('cdc_relay_kafka_transactions_total{outcome="aborted"}', 0.0)
+    longest = min(
+        float(name.split('le="')[1].rstrip('"}'))
+        for name, value in samples.items()
+        if name.startswith("cdc_relay_kafka_transaction_seconds_bucket")
+        and value == samples["cdc_relay_kafka_transaction_seconds_count"]
+    )
+    print(
+        f"events={BIG} written in {written:.1f}s, all read back after {relayed:.1f}s; "
+        f"lost={lost} duplicates={duplicates} out_of_order={len(disorder)}; Kafka "
+        f"transactions committed={committed:.0f} aborted={aborted:.0f}, each <= {longest:g}s; "
+        f"relay VmHWM before={before // 1024} MiB, after={peak // 1024} MiB"
+    )
+    assert lost == 0
+    assert duplicates == 0
+    assert disorder == []
+    assert aborted == 0
+    assert committed >= BIG / 10_000  # split: at most 10,000 events per Kafka transaction
+    assert longest < 10  # every Kafka transaction below the producer's transaction.timeout.ms
+    # Bounded: the relay holds one Kafka transaction's events at most (the producer's queue).
+    # Holding the PostgreSQL transaction's would take hundreds of megabytes: 200,000 events
+    # of ~200 bytes of payload and headers, several times that as Python objects.
+    assert peak - before < 64 * 1024, (before, peak)
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
