@@ -27,9 +27,13 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+)
 
-from cdc_relay.errors import DeliveryError, KafkaUnavailableError
+from cdc_relay.errors import DeliveryError, KafkaUnavailableError, PreflightError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 from cdc_relay.sink import Acked, KafkaSink, Refused
@@ -339,7 +343,16 @@ class TransactionalSink(KafkaSink):
 
     def initialise(self) -> None:
         """Fence older producers of this transactional id and abort their open transaction."""
-        self._call(self._producer.init_transactions, self._timeout)
+        try:
+            self._producer.init_transactions(self._timeout)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.code() == KafkaError._TIMED_OUT or (err.retriable() and not _fenced(err)):
+                # No transaction coordinator answered in time: say why, if the brokers tell.
+                raise PreflightError(
+                    transactions_unavailable(self._config, self._key.decode(), self._timeout)
+                ) from None
+            self._fail(err)
         self._initialised = True
 
     def offer(self, message: Any, token: Any) -> bool:
@@ -437,14 +450,52 @@ class TransactionalSink(KafkaSink):
         if _fenced(err):
             raise _fenced_error()
         if err.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            # IDEMPOTENT_WRITE on the cluster is not asked for: a broker authorises a
+            # transactional producer by its transactional id alone.
             raise DeliveryError(
                 f"Kafka refused the transactional id: {err.str()}; grant the relay's principal "
-                "WRITE and DESCRIBE on its transactional id, and IDEMPOTENT_WRITE on the cluster"
+                f"WRITE and DESCRIBE on transactional id {self._key.decode()}"
             )
         raise DeliveryError(
             f"Kafka transaction failed: {err.str()}; restart the relay: it resumes after the "
             "last committed checkpoint"
         )
+
+
+TRANSACTION_LOG = "__transaction_state"
+
+
+def transactions_unavailable(config: Mapping[str, str], tid: str, waited: float) -> str:
+    """Why Kafka set up no transaction for ``tid`` within ``waited`` seconds, with what to do:
+    the brokers' transaction log settings against their number when they tell, else the
+    likely causes."""
+    generic = (
+        f"Kafka did not set up transactions for transactional id {tid} within {waited:g}s: no "
+        f"transaction coordinator answered (a broker creates {TRANSACTION_LOG} on first use, and "
+        "cannot when transaction.state.log.replication.factor exceeds the number of brokers or "
+        "transaction.state.log.min.isr the replicas in sync); check the brokers' settings and "
+        "logs, then start the relay again, or run it without --exactly-once"
+    )
+    admin = AdminClient({**_client_settings(config), "log_level": 0})
+    try:
+        metadata = admin.list_topics(timeout=5)
+        brokers = len(metadata.brokers)
+        if TRANSACTION_LOG in metadata.topics and metadata.topics[TRANSACTION_LOG].error is None:
+            return generic  # the log exists: not a matter of its settings
+        resource = ConfigResource(ConfigResource.Type.BROKER, str(next(iter(metadata.brokers))))
+        entries = admin.describe_configs([resource], request_timeout=5)[resource].result(5)
+        factor = int(entries["transaction.state.log.replication.factor"].value)
+    except (KafkaException, KeyError, StopIteration, ValueError):
+        return generic  # not allowed to describe the broker's settings, or not told
+    if factor <= brokers:
+        return generic
+    return (
+        f"Kafka cannot run transactions: the brokers' transaction.state.log.replication.factor "
+        f"is {factor} and the cluster has {brokers} broker{'s' if brokers != 1 else ''}, so "
+        f"{TRANSACTION_LOG} cannot be created; set transaction.state.log.replication.factor "
+        f"(and transaction.state.log.min.isr) to at most {brokers} in the brokers' settings and "
+        "restart them, or add brokers, or run the relay without --exactly-once"
+    )
 
 
 def _fenced(err: KafkaError) -> bool:

@@ -12,12 +12,22 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from confluent_kafka import Consumer, KafkaError
+from confluent_kafka.admin import (
+    AclBinding,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
+)
 from relaytools import (
     Load,
     RelayProcess,
@@ -33,7 +43,8 @@ from relaytools import (
 )
 from test_observability import scrape
 
-from cdc_relay.devstack import free_ports
+from cdc_relay.devstack import LOOPBACK, free_ports
+from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
@@ -393,3 +404,197 @@ def test_status_shows_the_checkpoint_beside_the_slot_or_says_why_not(
     assert f"no Kafka broker answered at 127.0.0.1:{port} within 3s" in line
     assert "confirmed LSN" in gone.stdout
     assert took < 15
+
+
+# -- brokers that cannot give the relay transactions -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def single_broker_rf3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
+    """One broker whose transaction log asks for three replicas: it cannot create it."""
+    broker = LocalKafka(
+        tmp_path_factory.mktemp("kafka_rf3"),
+        properties={"transaction.state.log.replication.factor": "3"},
+    )
+    try:
+        broker.start()
+        yield broker
+    finally:
+        broker.cleanup(keep_logs=True)
+
+
+@dataclass(frozen=True)
+class AclKafka:
+    broker: LocalKafka
+    sasl: str  # SASL_PLAINTEXT (PLAIN): the relay's principals, under ACLs
+    password: str
+
+    def admin(self) -> AdminClient:
+        """A super user's admin client (the PLAINTEXT listener: User:ANONYMOUS)."""
+        return AdminClient({"bootstrap.servers": self.broker.bootstrap})
+
+
+ACL_USERS = ("full", "no_tid", "no_idempotent")
+
+
+@pytest.fixture(scope="module")
+def acl_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclKafka]:
+    """A broker with the standard authorizer: ACLs decide what each user may do."""
+    plaintext, controller, sasl = free_ports(3)
+    ports = {"PLAINTEXT": plaintext, "CONTROLLER": controller, "SASL_PLAINTEXT": sasl}
+    listeners = ",".join(f"{name}://{LOOPBACK}:{port}" for name, port in ports.items())
+    password = f"pw-{uuid.uuid4().hex[:8]}"
+    users = " ".join(f'user_{name}="{password}"' for name in ACL_USERS)
+    broker = LocalKafka(
+        tmp_path_factory.mktemp("kafka_acl"),
+        port=plaintext,
+        controller_port=controller,
+        properties={
+            "listeners": listeners,
+            "advertised.listeners": listeners,
+            "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,"
+            "SASL_PLAINTEXT:SASL_PLAINTEXT",
+            "sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config": (
+                f"org.apache.kafka.common.security.plain.PlainLoginModule required {users};"
+            ),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            # the controller, the broker to itself and the tests' own clients: PLAINTEXT
+            "super.users": "User:ANONYMOUS",
+            "offsets.topic.num.partitions": "1",
+        },
+    )
+    try:
+        broker.start()
+        yield AclKafka(broker, f"{LOOPBACK}:{sasl}", password)
+    finally:
+        broker.cleanup(keep_logs=True)
+
+
+def grant(kafka: AclKafka, user: str, names: Any, *, tid: bool, idempotent: bool) -> None:
+    """What the relay's principal needs, less what the test leaves out: its topics (events and
+    checkpoints), its transactional id, IDEMPOTENT_WRITE on the cluster."""
+
+    def acl(kind: Any, name: str, pattern: Any, operation: Any) -> AclBinding:
+        return AclBinding(
+            kind, name, pattern, f"User:{user}", "*", operation, AclPermissionType.ALLOW
+        )
+
+    bindings = [
+        acl(ResourceType.TOPIC, names.topic_prefix, ResourcePatternType.PREFIXED, AclOperation.ALL),
+        acl(ResourceType.GROUP, "cdc-relay-", ResourcePatternType.PREFIXED, AclOperation.READ),
+    ]
+    if tid:
+        bindings += [
+            acl(
+                ResourceType.TRANSACTIONAL_ID,
+                f"cdc-relay-{names.slot}",
+                ResourcePatternType.LITERAL,
+                op,
+            )
+            for op in (AclOperation.WRITE, AclOperation.DESCRIBE)
+        ]
+    if idempotent:
+        bindings.append(
+            acl(
+                ResourceType.BROKER,
+                "kafka-cluster",
+                ResourcePatternType.LITERAL,
+                AclOperation.IDEMPOTENT_WRITE,
+            )
+        )
+    admin = kafka.admin()  # kept alive until the answers are in
+    for future in admin.create_acls(bindings).values():
+        future.result(timeout=30)
+
+
+def acl_relay(tmp_path: Path, dsn: str, kafka: AclKafka, names: Any, user: str) -> RelayProcess:
+    env = relay_env(
+        dsn,
+        kafka.sasl,
+        names,
+        exactly_once="1",
+        checkpoint_topic=f"{names.topic_prefix}_checkpoints",
+        kafka_config=f"security.protocol=SASL_PLAINTEXT sasl.mechanisms=PLAIN sasl.username={user}",
+        kafka_sasl_password=kafka.password,
+        kafka_timeout="10",
+    )
+    return RelayProcess(tmp_path, env, name=user)
+
+
+def one_line_error(relay: RelayProcess, timeout: float) -> str:
+    """The relay's exit: code 1, its last line the error, no traceback anywhere."""
+    code = relay.wait(timeout)
+    log = relay.log()
+    assert code == 1, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("cdc-relay: error: "), log[-3000:]
+    return last
+
+
+def test_a_broker_that_cannot_create_its_transaction_log_is_named_with_the_remedy(
+    tmp_path: Path, outbox_db: str, single_broker_rf3: LocalKafka, names: Any
+) -> None:
+    """transaction.state.log.replication.factor=3 on a single broker: no transaction
+    coordinator ever answers. The relay stops with the setting, the broker count and what to
+    change, not with a timeout to retry."""
+    setup_slot(outbox_db, names)
+    relay = eos_relay(tmp_path, outbox_db, single_broker_rf3, names)
+    started = time.monotonic()
+    try:
+        relay.start()
+        last = one_line_error(relay, 120)
+    finally:
+        relay.close()
+    print(f"stopped after {time.monotonic() - started:.1f}s: {last}")
+    assert "transaction.state.log.replication.factor is 3 and the cluster has 1 broker" in last
+    assert "set transaction.state.log.replication.factor" in last
+    assert slot_row(outbox_db, names.slot)["active"] is False
+
+
+def test_a_principal_without_the_transactional_id_acl_is_told_what_to_grant(
+    tmp_path: Path, outbox_db: str, acl_kafka: AclKafka, names: Any
+) -> None:
+    setup_slot(outbox_db, names)
+    grant(acl_kafka, "no_tid", names, tid=False, idempotent=True)
+    writer = Writer(outbox_db)
+    writer.transaction([("order", "a1", {"n": 1})])
+    writer.close()
+    relay = acl_relay(tmp_path, outbox_db, acl_kafka, names, "no_tid")
+    try:
+        relay.start()
+        last = one_line_error(relay, 90)
+    finally:
+        relay.close()
+    print(last)
+    assert "Kafka refused the transactional id" in last
+    assert (
+        f"grant the relay's principal WRITE and DESCRIBE on transactional id cdc-relay-{names.slot}"
+        in last
+    )
+
+
+def test_a_principal_without_idempotent_write_on_the_cluster(
+    tmp_path: Path, outbox_db: str, acl_kafka: AclKafka, names: Any
+) -> None:
+    """Since Kafka 3.0 (KIP-679) WRITE on the transactional id implies idempotent writes of
+    its transactions: IDEMPOTENT_WRITE on the cluster is not needed, and the relay runs."""
+    setup_slot(outbox_db, names)
+    grant(acl_kafka, "no_idempotent", names, tid=True, idempotent=False)
+    writer = Writer(outbox_db)
+    writer.transaction([("order", "a1", {"n": 1}), ("order", "a2", {"n": 2})])
+    relay = acl_relay(tmp_path, outbox_db, acl_kafka, names, "no_idempotent")
+    try:
+        relay.start()
+        received = consume(acl_kafka.broker.bootstrap, names.topic_prefix, 2, 60, settle=1)
+        writer.transaction([("order", "a1", {"n": 3})])
+        received = consume(acl_kafka.broker.bootstrap, names.topic_prefix, 3, 60, settle=1)
+        assert relay.stop() == 0, relay.log()[-3000:]
+    finally:
+        relay.close()
+        writer.close()
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
