@@ -29,7 +29,12 @@ from cdc_relay.config import (
 )
 from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce, checkpoint_status
+from cdc_relay.exactly_once import (
+    DEFAULT_CHECKPOINT_TOPIC,
+    ExactlyOnce,
+    checkpoint_status,
+    ensure_topic,
+)
 from cdc_relay.exactly_once import transactional_id as eos_id
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
@@ -365,6 +370,13 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     help="Create a failover slot (PostgreSQL 17+), which standbys keep a copy of, and check "
     "the settings that needs on every host of --dsn.",
 )
+@_option(
+    "--exactly-once",
+    is_flag=True,
+    help="For stream --exactly-once: create the checkpoint topic (compacted) if it does not "
+    "exist; needs --kafka-bootstrap.",
+)
+@_CHECKPOINT_TOPIC
 @kafka_options(required=False)
 def setup_slot(
     dsn: str,
@@ -378,6 +390,8 @@ def setup_slot(
     from_poller: bool,
     create_table: bool,
     failover_slot: bool,
+    exactly_once: bool,
+    checkpoint_topic: str,
     kafka_bootstrap: str | None,
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
@@ -392,8 +406,10 @@ def setup_slot(
     Safe to run again: what exists already is reported and left as it is. With
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
     --shards N, one slot and publication per shard. With --create-table, a missing outbox
-    table is created first.
+    table is created first. With --exactly-once, the checkpoint topic too.
     """
+    if exactly_once and not kafka_bootstrap:
+        raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     specs = _specs(
         slot,
@@ -451,6 +467,14 @@ def setup_slot(
             click.echo(f"exists: {line}")
         for line in report.done:
             click.echo(line)
+    if exactly_once and kafka_bootstrap:
+        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
+        if dry_run:
+            click.echo(f"-- and the checkpoint topic {checkpoint_topic} if it does not exist")
+        elif ensure_topic(kafka, checkpoint_topic, kafka_timeout):
+            click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
+        else:
+            click.echo(f"exists: checkpoint topic {checkpoint_topic}")
     if failover_slot and not dry_run:
         # with --shards the settings' lines repeat for every slot: shown once
         findings = list(

@@ -109,12 +109,16 @@ def transactional_id(slot: str) -> str:
     return f"cdc-relay-{slot}"
 
 
-def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> None:
-    """Create the checkpoint topic (compacted, one partition) unless it exists."""
+def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> bool:
+    """Create the checkpoint topic (compacted, one partition) unless it exists; True if it
+    was created here."""
     admin = AdminClient({k: v for k, v in config.items() if not k.startswith("enable.")})
-    metadata = admin.list_topics(timeout=timeout)
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException as exc:
+        raise KafkaUnavailableError(_unreadable(config, topic, timeout, exc.args[0], [])) from None
     if topic in metadata.topics and metadata.topics[topic].error is None:
-        return
+        return False
     futures = admin.create_topics(
         [NewTopic(topic, 1, -1, config={"cleanup.policy": "compact"})],
         request_timeout=timeout,
@@ -127,6 +131,8 @@ def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> None:
                 f"cannot create the checkpoint topic {topic}: {exc.args[0].str()}; create it "
                 "with cleanup.policy=compact, or grant the relay's principal CREATE on it"
             ) from None
+        return False
+    return True
 
 
 def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: float) -> Checkpoint:

@@ -25,6 +25,7 @@ from confluent_kafka.admin import (
     AclOperation,
     AclPermissionType,
     AdminClient,
+    ConfigResource,
     ResourcePatternType,
     ResourceType,
 )
@@ -404,6 +405,34 @@ def test_status_shows_the_checkpoint_beside_the_slot_or_says_why_not(
     assert f"no Kafka broker answered at 127.0.0.1:{port} within 3s" in line
     assert "confirmed LSN" in gone.stdout
     assert took < 15
+
+
+def test_setup_slot_exactly_once_creates_the_compacted_checkpoint_topic(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    topic = f"{names.topic_prefix}_checkpoints"
+    base = ["setup-slot", "--dsn", outbox_db, "--slot", names.slot, "--publication"]
+    base += [names.publication, "--exactly-once", "--checkpoint-topic", topic]
+    first = cli(*base, "--kafka-bootstrap", kafka_service.bootstrap)
+    assert first.returncode == 0, first.stderr
+    assert f"created checkpoint topic {topic} (cleanup.policy=compact)" in first.stdout
+    admin = AdminClient({"bootstrap.servers": kafka_service.bootstrap})
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    config = admin.describe_configs([resource])[resource].result(30)
+    assert config["cleanup.policy"].value == "compact"
+    assert len(admin.list_topics(topic, timeout=30).topics[topic].partitions) == 1
+    again = cli(*base, "--kafka-bootstrap", kafka_service.bootstrap)
+    assert again.returncode == 0, again.stderr
+    assert f"exists: checkpoint topic {topic}" in again.stdout
+    (port,) = free_ports(1)
+    gone = cli(*base, "--kafka-bootstrap", f"127.0.0.1:{port}", "--kafka-timeout", "2")
+    assert gone.returncode == 1
+    assert "Traceback" not in gone.stderr
+    assert (
+        gone.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"cdc-relay: error: no Kafka broker answered at 127.0.0.1:{port} within 2s")
+    ), gone.stderr
 
 
 # -- brokers that cannot give the relay transactions -------------------------------------------
