@@ -958,11 +958,6 @@ def stream(
     """
     logs.configure(log_format, log_level)
     slot = shard.name(slot) if shard else slot
-    if exactly_once and dead_letter_topic:
-        raise UsageError(
-            "--exactly-once with --dead-letter-topic is not available yet: run exactly once "
-            "without dead letters (the relay stops at an event Kafka refuses), or at least once"
-        )
     settings = StreamSettings(
         dsn=dsn,
         slot=slot,

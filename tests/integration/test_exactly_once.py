@@ -36,6 +36,7 @@ from relaytools import (
     check,
     consume,
     create_topics,
+    pending_inserts,
     relay_env,
     setup_slot,
     slot_row,
@@ -46,6 +47,7 @@ from test_observability import scrape
 
 from cdc_relay.devstack import LOOPBACK, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
+from cdc_relay.exactly_once import read_checkpoint
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
@@ -311,6 +313,79 @@ def test_a_huge_transaction_streams_through_many_kafka_transactions_in_bounded_m
     # Holding the PostgreSQL transaction's would take hundreds of megabytes: 200,000 events
     # of ~200 bytes of payload and headers, several times that as Python objects.
     assert peak - before < 64 * 1024, (before, peak)
+
+
+def test_an_event_kafka_refuses_goes_to_the_dead_letter_topic_once_and_nothing_twice(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """With --dead-letter-topic: a 160 kB event on a topic of max.message.bytes 100 kB, last
+    of a transaction of small events of other keys sharing its batches. Its Kafka
+    transaction aborts; each suspect is sent alone in a Kafka transaction of its own, and the
+    culprit's dead letter in one too. A read_committed consumer sees every innocent once, the
+    dead letter once with the content, and the relay goes on. The last checkpoint counts the
+    dead letter: a relay killed then and replaying that transaction would skip it, not
+    publish it again."""
+    from test_refusals import (
+        DEAD,
+        SCENARIOS,
+        assert_letter,
+        assert_stored,
+        prepare,
+        split,
+    )
+
+    scenario = SCENARIOS["too-large"]
+    prefix = names.topic_prefix
+    prepare(scenario, outbox_db, kafka_service.bootstrap, prefix)
+    setup_slot(outbox_db, names)
+    writer = Writer(outbox_db)
+    try:
+        keys = scenario.innocent_keys
+        first = writer.transaction([("blob", key, {"key": key, "n": 0}) for key in keys])
+        last = writer.transaction(
+            [("blob", key, {"key": key, "n": 1}) for key in keys[1:]]
+            + [("blob", "k0", scenario.culprit[2]())]
+        )
+    finally:
+        writer.close()
+    culprit, innocents = last[-1], first + last[:-1]
+    relay = eos_relay(
+        tmp_path, outbox_db, kafka_service, names, dead_letter_topic=f"{prefix}.{DEAD}"
+    )
+    try:
+        relay.start()
+        received = consume(kafka_service.bootstrap, prefix, len(innocents) + 1, 90, settle=2)
+        assert relay.alive(), relay.log()[-3000:]
+        assert relay.stop() == 0, relay.log()[-3000:]
+    finally:
+        relay.close()
+    main, letters = split(received, prefix)
+    verdict = check(innocents, main, prefix)
+    print(verdict, f"letters={[r.id for r in letters]}")
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
+    assert verdict.out_of_order == []
+    assert verdict.mismatched == []
+    assert culprit.id not in {r.id for r in main}
+    assert [r.id for r in letters] == [culprit.id]  # once, though it was sent twice
+    assert_letter(letters[0], culprit, scenario, prefix)
+    assert_stored(outbox_db, culprit, scenario, prefix)
+    assert "Kafka refused" in relay.log()  # the batch was refused, and the culprit found
+    assert "event sent to the dead-letter topic" in relay.log()
+    assert pending_inserts(outbox_db, names.slot, names.publication) == 0
+    checkpoint = read_checkpoint(
+        {"bootstrap.servers": kafka_service.bootstrap},
+        f"{prefix}_checkpoints",
+        f"cdc-relay-{names.slot}",
+        30,
+    )
+    print(checkpoint)
+    # The last unit all in, or the last transaction's events up to the culprit counted.
+    whole = checkpoint.position >= first[0].after_commit_lsn
+    counted = first[0].after_commit_lsn <= checkpoint.partial_position < last[
+        0
+    ].after_commit_lsn and checkpoint.partial_events == len(last)
+    assert whole or counted, checkpoint
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
