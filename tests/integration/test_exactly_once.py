@@ -586,7 +586,6 @@ def grant(kafka: AclKafka, user: str, names: Any, *, tid: bool, idempotent: bool
 
     bindings = [
         acl(ResourceType.TOPIC, names.topic_prefix, ResourcePatternType.PREFIXED, AclOperation.ALL),
-        acl(ResourceType.GROUP, "cdc-relay-", ResourcePatternType.PREFIXED, AclOperation.READ),
     ]
     if tid:
         bindings += [
