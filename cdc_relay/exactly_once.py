@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
 _COMMIT_RETRIES = 10
+_FATAL_REASON_WAIT = 2.0  # seconds to wait for the reason of a bare "Fatal error"
 
 
 @dataclass(frozen=True)
@@ -360,6 +361,38 @@ class TransactionalSink(KafkaSink):
                 ) from None
             self._fail(err)
         self._initialised = True
+        self._probe()
+
+    def _probe(self) -> None:
+        """Preflight: whether the relay may write the checkpoint topic in a transaction.
+        Every commit carries a checkpoint record: refused, no transaction could ever commit
+        (the broker refuses it when the transaction adds the topic, naming no topic). So a
+        first transaction holds a record there alone, and is aborted: nothing of it is ever
+        visible, and a crash leaves it to the next relay's init_transactions to abort."""
+        failed: list[KafkaError] = []
+
+        def delivered(err: KafkaError | None, _: Any) -> None:
+            if err is not None:
+                failed.append(err)
+
+        self._call(self._producer.begin_transaction)
+        try:
+            self._producer.produce(self._topic, b"", self._key, on_delivery=delivered)
+            self._producer.flush(self._timeout)
+            self._producer.abort_transaction(self._timeout)
+        except KafkaException as exc:
+            failed.append(exc.args[0])
+        if not failed:
+            return
+        for err in failed:
+            if self.failure is not None or _fenced(err) or err.retriable():
+                self._fail(err)  # fenced, or the broker away: not about the topic
+        # Refused, the record is purged and the abort fails; Kafka's words name no topic.
+        reasons = "; ".join(dict.fromkeys(err.str() for err in failed))
+        raise DeliveryError(
+            f"the relay cannot write its checkpoint topic {self._topic} in a transaction "
+            f"({reasons}); grant the relay's principal WRITE on that topic"
+        )
 
     def offer(self, message: Any, token: Any) -> bool:
         if self.failure is not None:  # fenced, or failed for good: nothing more goes out
@@ -424,7 +457,8 @@ class TransactionalSink(KafkaSink):
                 self._producer.abort_transaction(5.0)
             except KafkaException:
                 pass  # fenced or gone: nothing of it is visible either way
-        self._producer.flush(0)
+        with contextlib.suppress(KafkaException):  # a failed producer raises its error again
+            self._producer.flush(0)
         return left
 
     def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
@@ -448,9 +482,12 @@ class TransactionalSink(KafkaSink):
     def _fail(self, err: KafkaError) -> NoReturn:
         if self.failure is None and err.code() == KafkaError._FATAL:
             # "Fatal error" alone: the error callback that says why (fenced, most often) may
-            # not have been served yet
-            with contextlib.suppress(KafkaException):
-                self._producer.poll(0)
+            # not have been served yet, nor even queued (the client marks itself failed
+            # first): wait for it, briefly.
+            deadline = time.monotonic() + _FATAL_REASON_WAIT
+            while self.failure is None and time.monotonic() < deadline:
+                with contextlib.suppress(KafkaException):
+                    self._producer.poll(0.05)
         if self.failure is not None:  # the client said why first
             raise self.failure
         if _fenced(err):

@@ -538,7 +538,7 @@ class AclKafka:
         return AdminClient({"bootstrap.servers": self.broker.bootstrap})
 
 
-ACL_USERS = ("full", "no_tid", "no_idempotent")
+ACL_USERS = ("no_tid", "no_idempotent", "no_checkpoint_write")
 
 
 @pytest.fixture(scope="module")
@@ -608,6 +608,21 @@ def grant(kafka: AclKafka, user: str, names: Any, *, tid: bool, idempotent: bool
         )
     admin = kafka.admin()  # kept alive until the answers are in
     for future in admin.create_acls(bindings).values():
+        future.result(timeout=30)
+
+
+def deny_checkpoint_writes(kafka: AclKafka, user: str, names: Any) -> None:
+    binding = AclBinding(
+        ResourceType.TOPIC,
+        f"{names.topic_prefix}_checkpoints",
+        ResourcePatternType.LITERAL,
+        f"User:{user}",
+        "*",
+        AclOperation.WRITE,
+        AclPermissionType.DENY,
+    )
+    admin = kafka.admin()
+    for future in admin.create_acls([binding]).values():
         future.result(timeout=30)
 
 
@@ -701,3 +716,29 @@ def test_a_principal_without_idempotent_write_on_the_cluster(
     print(verdict)
     assert verdict.lost == []
     assert verdict.duplicates == 0
+
+
+def test_a_principal_that_may_not_write_the_checkpoint_topic_is_told_so(
+    tmp_path: Path, outbox_db: str, acl_kafka: AclKafka, names: Any
+) -> None:
+    """Every commit carries a checkpoint record: refused, no transaction can ever commit,
+    and the broker's refusal names no topic. The relay checks at start-up and stops with one
+    line naming the topic (before: a fatal producer error, and a traceback from closing it);
+    a read_committed consumer sees nothing."""
+    setup_slot(outbox_db, names)
+    grant(acl_kafka, "no_checkpoint_write", names, tid=True, idempotent=False)
+    deny_checkpoint_writes(acl_kafka, "no_checkpoint_write", names)
+    writer = Writer(outbox_db)
+    writer.transaction([("order", "a1", {"n": 1})])
+    writer.close()
+    relay = acl_relay(tmp_path, outbox_db, acl_kafka, names, "no_checkpoint_write")
+    try:
+        relay.start()
+        last = one_line_error(relay, 90)
+    finally:
+        relay.close()
+    print(last)
+    topic = f"{names.topic_prefix}_checkpoints"
+    assert f"the relay cannot write its checkpoint topic {topic} in a transaction" in last
+    assert "grant the relay's principal WRITE on that topic" in last
+    assert consume(acl_kafka.broker.bootstrap, names.topic_prefix, 1, 10, settle=0) == []
