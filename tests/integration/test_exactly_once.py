@@ -577,7 +577,8 @@ def acl_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AclKafka]:
 
 def grant(kafka: AclKafka, user: str, names: Any, *, tid: bool, idempotent: bool) -> None:
     """What the relay's principal needs, less what the test leaves out: its topics (events and
-    checkpoints), its transactional id, IDEMPOTENT_WRITE on the cluster."""
+    checkpoints), its transactional id, IDEMPOTENT_WRITE on the cluster. No consumer group:
+    the checkpoint's reader needs none."""
 
     def acl(kind: Any, name: str, pattern: Any, operation: Any) -> AclBinding:
         return AclBinding(
@@ -693,11 +694,13 @@ def test_a_principal_without_the_transactional_id_acl_is_told_what_to_grant(
     )
 
 
-def test_a_principal_without_idempotent_write_on_the_cluster(
+def test_a_principal_without_idempotent_write_nor_a_group_acl_runs(
     tmp_path: Path, outbox_db: str, acl_kafka: AclKafka, names: Any
 ) -> None:
-    """Since Kafka 3.0 (KIP-679) WRITE on the transactional id implies idempotent writes of
-    its transactions: IDEMPOTENT_WRITE on the cluster is not needed, and the relay runs."""
+    """A broker authorises a transactional producer by its transactional id: IDEMPOTENT_WRITE
+    on the cluster is not needed. Nor is an ACL on the checkpoint reader's consumer group
+    (the client insists on one, and looks its coordinator up, refused; the reader uses no
+    group). The relay runs, and every event arrives once."""
     setup_slot(outbox_db, names)
     grant(acl_kafka, "no_idempotent", names, tid=True, idempotent=False)
     writer = Writer(outbox_db)
@@ -716,6 +719,9 @@ def test_a_principal_without_idempotent_write_on_the_cluster(
     print(verdict)
     assert verdict.lost == []
     assert verdict.duplicates == 0
+    group = f"Group:LITERAL:cdc-relay-checkpoint-cdc-relay-{names.slot} "
+    log = acl_kafka.broker.log_path.read_text()
+    assert any("is Denied" in line and group in line for line in log.splitlines())
 
 
 def test_a_principal_that_may_not_write_the_checkpoint_topic_is_told_so(
