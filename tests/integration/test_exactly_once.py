@@ -184,9 +184,10 @@ def test_an_event_kafka_refuses_stops_the_relay_and_nothing_is_published_twice(
     assert verdict.mismatched == []
 
 
-# A million events take about 3.5 minutes here on a shared machine (written in 43 s, all read
-# back after 176 s, 777 Kafka transactions); 200,000 take about a minute and still make
-# dozens (95 in a run). CDC_RELAY_TEST_BIG_TRANSACTION=1000000 runs the million.
+# A million events took 2 to 3.5 minutes on 2 cores under other load (written in 31 to 43 s,
+# all read back after 98 to 176 s, in 455 to 777 Kafka transactions); 200,000 take under a
+# minute and still make dozens (95 in a run). CDC_RELAY_TEST_BIG_TRANSACTION=1000000 runs
+# the million.
 BIG = int(os.environ.get("CDC_RELAY_TEST_BIG_TRANSACTION", "200000"))
 
 
@@ -308,7 +309,7 @@ def test_a_huge_transaction_streams_through_many_kafka_transactions_in_bounded_m
     assert disorder == []
     assert aborted == 0
     assert committed >= BIG / 10_000  # split: at most 10,000 events per Kafka transaction
-    assert longest < 10  # every Kafka transaction below the producer's transaction.timeout.ms
+    assert longest <= 10  # every Kafka transaction within the producer's transaction.timeout.ms
     # Bounded: the relay holds one Kafka transaction's events at most (the producer's queue).
     # Holding the PostgreSQL transaction's would take hundreds of megabytes: 200,000 events
     # of ~200 bytes of payload and headers, several times that as Python objects.
