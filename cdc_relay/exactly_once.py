@@ -484,17 +484,11 @@ class TransactionalSink(KafkaSink):
 
     def _fail(self, err: KafkaError) -> NoReturn:
         if self.failure is None and err.code() == KafkaError._FATAL:
-            # "Fatal error" alone: the error callback that says why (fenced, most often) may
-            # not have been served yet, nor even queued (the client marks itself failed
-            # first): wait for it, briefly.
-            deadline = time.monotonic() + _FATAL_REASON_WAIT
-            while self.failure is None and time.monotonic() < deadline:
-                with contextlib.suppress(KafkaException):
-                    self._producer.poll(0.05)
+            self._fatal_reason()
+        if self.failure is None and _fenced(err):
+            self.failure = _fenced_error()  # every later call says so too
         if self.failure is not None:  # the client said why first
             raise self.failure
-        if _fenced(err):
-            raise _fenced_error()
         if err.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
             # IDEMPOTENT_WRITE on the cluster is not asked for: a broker authorises a
             # transactional producer by its transactional id alone.
@@ -506,6 +500,23 @@ class TransactionalSink(KafkaSink):
             f"Kafka transaction failed: {err.str()}; restart the relay: it resumes after the "
             "last committed checkpoint"
         )
+
+    def _fatal_reason(self) -> None:
+        """Find why the producer failed when Kafka said only "Fatal error" (fenced, most
+        often), into ``failure``. A transactional call on a failed producer answers with the
+        error that failed it; poll raises it too, once its event is queued (which may come
+        later than the bare error: hence the short wait)."""
+        try:
+            self._producer.abort_transaction(1.0)
+        except KafkaException as exc:
+            if exc.args[0].fatal():
+                self._on_fatal(exc.args[0])
+        deadline = time.monotonic() + _FATAL_REASON_WAIT
+        while self.failure is None and time.monotonic() < deadline:
+            try:
+                self._producer.poll(0.05)
+            except KafkaException as exc:  # the fatal error itself, not a callback's
+                self._on_fatal(exc.args[0])
 
 
 TRANSACTION_LOG = "__transaction_state"
