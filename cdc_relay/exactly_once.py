@@ -36,6 +36,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, PreflightError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
+from cdc_relay.refusals import is_culprit
 from cdc_relay.sink import Acked, KafkaSink, Refused
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,8 @@ class TransactionalSink(KafkaSink):
         self._key = transactional_id.encode()
         self._timeout = timeout
         self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
+        self._purged: list[Any] = []  # tokens of the open transaction purged, not refused
+        self._refused_in_commit = False  # the commit failed on a refusal of one message
         self._open = False
         self.events = 0  # events in the open transaction
         self.opened = 0.0  # when it began (monotonic)
@@ -404,6 +407,7 @@ class TransactionalSink(KafkaSink):
             self._call(self._producer.begin_transaction)
             self._open = True
             self.opened = time.monotonic()
+            self._purged = []
         accepted = super().offer(message, token)
         if accepted:
             self.events += 1
@@ -428,7 +432,17 @@ class TransactionalSink(KafkaSink):
                 if err.txn_requires_abort():
                     # Kafka refused a message of it (its report came during the commit's
                     # flush): abort, and let the caller replay.
-                    self.renew()
+                    events = self.events
+                    self._refused_in_commit = is_culprit(err)
+                    try:
+                        self.renew()  # serves the reports of the purged messages
+                    finally:
+                        self._refused_in_commit = False
+                    if events == 1 and len(self._purged) == 1 and is_culprit(err):
+                        # A message alone in its transaction, purged because Kafka refused
+                        # to add its partition (a topic not authorised): the refusal is its
+                        # own, and it is told so (its report said only "purged").
+                        self._on_refused(self._purged[0], err)
                     raise TransactionAborted(err.str()) from None
                 self._fail(err)
         self._open = False
@@ -444,7 +458,10 @@ class TransactionalSink(KafkaSink):
         """Abort the open transaction: nothing of it becomes visible; its messages are
         reported refused (purged), and a replay produces them again."""
         if self._open:
-            self._call(self._producer.abort_transaction, self._timeout)
+            try:
+                self._producer.abort_transaction(self._timeout)
+            except KafkaException as exc:
+                self._abort_failed(exc.args[0])
             self.aborted += 1
             KAFKA_TRANSACTIONS.labels(outcome="aborted").inc()
         self._producer.flush(0)
@@ -452,6 +469,27 @@ class TransactionalSink(KafkaSink):
         self._open = False
         self.events = 0
         self.broken = False
+
+    def _abort_failed(self, err: KafkaError) -> None:
+        """The abort failed: stop, unless the producer is failed by Kafka refusing to end a
+        transaction whose partitions it refused to add (a topic not authorised, refused
+        during the commit): then a new producer with the same transactional id takes over,
+        whose init_transactions ends what is left of it, as a restarted relay's would. Only
+        then: a new producer fences any other (a relay that took over would be stopped)."""
+        refused = self._refused_in_commit
+        if not (refused and err.fatal() and err.code() == KafkaError.INVALID_TXN_STATE):
+            self._fail(err)
+        log.warning(
+            "Kafka failed the producer when aborting a transaction (%s); starting a new one",
+            err.str(),
+            extra={"action": "producer_renewed"},
+        )
+        old, self._producer = self._producer, self._new_producer()
+        with contextlib.suppress(KafkaException):
+            old.purge()
+            old.flush(0)  # serves the purged messages' reports, and the fatal error's
+        self.failure = None  # the old producer's, which is gone
+        self._call(self._producer.init_transactions, self._timeout)
 
     def close(self) -> int:
         left = self.events
@@ -469,6 +507,8 @@ class TransactionalSink(KafkaSink):
             self.connected = True
             self._appended.append(token)  # acknowledged when the transaction commits
         else:
+            if err.code() in (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT):
+                self._purged.append(token)
             self._on_refused(token, err)
 
     def _on_fatal(self, err: KafkaError) -> None:

@@ -539,7 +539,7 @@ class AclKafka:
         return AdminClient({"bootstrap.servers": self.broker.bootstrap})
 
 
-ACL_USERS = ("no_tid", "no_idempotent", "no_checkpoint_write")
+ACL_USERS = ("no_tid", "no_idempotent", "no_checkpoint_write", "denied_topic")
 
 
 @pytest.fixture(scope="module")
@@ -628,7 +628,9 @@ def deny_checkpoint_writes(kafka: AclKafka, user: str, names: Any) -> None:
         future.result(timeout=30)
 
 
-def acl_relay(tmp_path: Path, dsn: str, kafka: AclKafka, names: Any, user: str) -> RelayProcess:
+def acl_relay(
+    tmp_path: Path, dsn: str, kafka: AclKafka, names: Any, user: str, **extra: str
+) -> RelayProcess:
     env = relay_env(
         dsn,
         kafka.sasl,
@@ -638,6 +640,7 @@ def acl_relay(tmp_path: Path, dsn: str, kafka: AclKafka, names: Any, user: str) 
         kafka_config=f"security.protocol=SASL_PLAINTEXT sasl.mechanisms=PLAIN sasl.username={user}",
         kafka_sasl_password=kafka.password,
         kafka_timeout="10",
+        **extra,
     )
     return RelayProcess(tmp_path, env, name=user)
 
@@ -749,3 +752,66 @@ def test_a_principal_that_may_not_write_the_checkpoint_topic_is_told_so(
     assert f"the relay cannot write its checkpoint topic {topic} in a transaction" in last
     assert "grant the relay's principal WRITE on that topic" in last
     assert consume(acl_kafka.broker.bootstrap, names.topic_prefix, 1, 10, settle=0) == []
+
+
+@pytest.mark.parametrize("dead_letters", [False, True], ids=["stop", "dead-letter"])
+def test_an_event_on_a_topic_the_principal_may_not_write_is_found_and_named(
+    tmp_path: Path, outbox_db: str, acl_kafka: AclKafka, names: Any, dead_letters: bool
+) -> None:
+    """A topic an ACL denies, between events of an allowed one in one transaction. Kafka
+    refuses to add its partition to the transaction and purges the messages, naming none;
+    sent alone, the culprit's lone transaction fails in its commit, and Kafka then refuses to
+    abort it too. The relay takes a new producer and learns the refusal was the event's
+    (before: 'Kafka producer failed: ... invalid state', the same at every restart). Then it
+    stops at it with the usual one-line error, what came before on Kafka once; or, with
+    --dead-letter-topic, dead-letters it and goes on: every other event once, the letter
+    once."""
+    from test_refusals import DEAD, SCENARIOS, split
+
+    setup_slot(outbox_db, names)
+    user = "denied_topic"
+    grant(acl_kafka, user, names, tid=True, idempotent=False)
+    prefix = names.topic_prefix
+    secret = f"{prefix}.secret"
+    binding = AclBinding(
+        ResourceType.TOPIC,
+        secret,
+        ResourcePatternType.LITERAL,
+        f"User:{user}",
+        "*",
+        AclOperation.WRITE,
+        AclPermissionType.DENY,
+    )
+    admin = acl_kafka.admin()
+    for future in admin.create_acls([binding]).values():
+        future.result(timeout=30)
+    create_topics(acl_kafka.broker.bootstrap, {secret: {}, f"{prefix}.order": {}})
+    writer = Writer(outbox_db)
+    events = [("order", "a1", {"n": 1}), ("secret", "s1", {"n": 2}), ("order", "a2", {"n": 3})]
+    before, culprit, after = writer.transaction(events)
+    writer.close()
+    extra = {"dead_letter_topic": f"{prefix}.{DEAD}"} if dead_letters else {}
+    relay = acl_relay(tmp_path, outbox_db, acl_kafka, names, user, **extra)
+    try:
+        relay.start()
+        if dead_letters:
+            received = consume(acl_kafka.broker.bootstrap, prefix, 3, 60, settle=2)
+            assert relay.stop() == 0, relay.log()[-3000:]
+        else:
+            last = one_line_error(relay, 120)
+            received = consume(acl_kafka.broker.bootstrap, prefix, 1, 30, settle=1)
+    finally:
+        relay.close()
+    main, letters = split(received, prefix)
+    print([r.id for r in main], [r.id for r in letters])
+    assert "Traceback" not in relay.log()
+    if dead_letters:
+        assert sorted(r.id for r in main) == sorted([before.id, after.id])  # each once
+        assert [r.id for r in letters] == [culprit.id]
+        assert "event sent to the dead-letter topic" in relay.log()
+    else:
+        print(last)
+        assert last.startswith(f"cdc-relay: error: Kafka refused event {culprit.id}"), last
+        assert SCENARIOS["denied"].remedy in last
+        assert [r.id for r in main] == [before.id]  # once; nothing from the culprit on
+        assert letters == []
