@@ -34,7 +34,12 @@ from cdc_relay.config import (
 from cdc_relay.deadletter import dead_letters, retry_dead_letters
 from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
+from cdc_relay.exactly_once import (
+    DEFAULT_CHECKPOINT_TOPIC,
+    ExactlyOnce,
+    checkpoint_status,
+    ensure_topic,
+)
 from cdc_relay.exactly_once import transactional_id as eos_id
 from cdc_relay.handover import handover
 from cdc_relay.lsn import format_lsn
@@ -124,6 +129,14 @@ _SHARDS = _option(
     type=click.IntRange(1, MAX_SHARDS),
     help="Work on N shards: slots and publications named SLOT_KofN and PUBLICATION_KofN, each "
     "publication filtered on a hash of the aggregate id (PostgreSQL 15 or newer).",
+)
+
+
+_CHECKPOINT_TOPIC = _option(
+    "--checkpoint-topic",
+    default=DEFAULT_CHECKPOINT_TOPIC,
+    show_default=True,
+    help="The compacted topic of stream --exactly-once's checkpoints.",
 )
 
 
@@ -412,6 +425,13 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     help="Create a failover slot (PostgreSQL 17+), which standbys keep a copy of, and check "
     "the settings that needs on every host of --dsn.",
 )
+@_option(
+    "--exactly-once",
+    is_flag=True,
+    help="For stream --exactly-once: create the checkpoint topic (compacted) if it does not "
+    "exist; needs --kafka-bootstrap.",
+)
+@_CHECKPOINT_TOPIC
 @kafka_options(required=False)
 def setup_slot(
     dsn: str,
@@ -425,6 +445,8 @@ def setup_slot(
     from_poller: bool,
     create_table: bool,
     failover_slot: bool,
+    exactly_once: bool,
+    checkpoint_topic: str,
     kafka_bootstrap: str | None,
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
@@ -439,8 +461,10 @@ def setup_slot(
     Safe to run again: what exists already is reported and left as it is. With
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
     --shards N, one slot and publication per shard. With --create-table, a missing outbox
-    table is created first.
+    table is created first. With --exactly-once, the checkpoint topic too.
     """
+    if exactly_once and not kafka_bootstrap:
+        raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     specs = _specs(
         slot,
@@ -498,6 +522,14 @@ def setup_slot(
             click.echo(f"exists: {line}")
         for line in report.done:
             click.echo(line)
+    if exactly_once and kafka_bootstrap:
+        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
+        if dry_run:
+            click.echo(f"-- and the checkpoint topic {checkpoint_topic} if it does not exist")
+        elif ensure_topic(kafka, checkpoint_topic, kafka_timeout):
+            click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
+        else:
+            click.echo(f"exists: checkpoint topic {checkpoint_topic}")
     if failover_slot and not dry_run:
         # with --shards the settings' lines repeat for every slot: shown once
         findings = list(
@@ -724,6 +756,19 @@ def reshard_command(
     help="Seconds to wait for the slot to confirm the WAL position status starts at, to tell "
     "confirmed rows from unconfirmed ones (stream).",
 )
+@_option(
+    "--exactly-once",
+    is_flag=True,
+    help="The slot is streamed with --exactly-once: show the checkpoint its committed Kafka "
+    "transactions reach (read_committed) beside the slot's position; needs --kafka-bootstrap.",
+)
+@_option(
+    "--transactional-id",
+    metavar="ID",
+    help="The transactional id of --exactly-once.  [default: cdc-relay-SLOT]",
+)
+@_CHECKPOINT_TOPIC
+@kafka_options(required=False)
 def status_command(
     dsn: str,
     slot: str,
@@ -737,16 +782,32 @@ def status_command(
     max_dead_letters: int | None,
     require_active: bool,
     wait: float,
+    exactly_once: bool,
+    transactional_id: str | None,
+    checkpoint_topic: str,
+    kafka_bootstrap: str | None,
+    kafka_config: tuple[str, ...],
+    kafka_config_file: Path | None,
+    kafka_timeout: float,
+    **_: Any,
 ) -> None:
     """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
 
     A stream outbox's rows are told apart: confirmed by the slot (on Kafka) or not yet. With
-    --shards N, every shard's slot. With thresholds it is a check for scripts and cron: exit 3
-    when one is crossed.
+    --shards N, every shard's slot. With --exactly-once, the checkpoint in Kafka too. With
+    thresholds it is a check for scripts and cron: exit 3 when one is crossed.
     """
+    kafka = None
+    if exactly_once:
+        if not kafka_bootstrap:
+            raise UsageError("status --exactly-once reads the checkpoint: give --kafka-bootstrap")
+        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
     states, alerts = [], []
     for spec in _specs(slot, publication, table, shards):
         state = status(dsn, spec.slot, table, spec.publication, wait)
+        if kafka is not None:
+            eos = ExactlyOnce(transactional_id or eos_id(spec.slot), checkpoint_topic)
+            state["checkpoint"] = checkpoint_status(kafka, eos, kafka_timeout).as_json()
         mine = []
         if not state["exists"]:
             mine.append(f"slot {spec.slot} does not exist")
@@ -787,6 +848,11 @@ def status_command(
                 ("active", f"yes (pid {state['active_pid']})" if state["active"] else "no"),
                 ("plugin", state["plugin"] or "-"),
                 ("confirmed LSN", state["confirmed_flush_lsn"] or "-"),
+                *(
+                    [("checkpoint", state["checkpoint"]["summary"])]
+                    if "checkpoint" in state
+                    else []
+                ),
                 ("WAL retained", _bytes(state["wal_retained_bytes"])),
                 ("outbox table", state["table"]),
                 ("publication", _publication(state)),
@@ -932,11 +998,6 @@ def stream(
     """
     health = relay.start()
     slot = shard.name(slot) if shard else slot
-    if exactly_once and dead_letter_topic:
-        raise UsageError(
-            "--exactly-once with --dead-letter-topic is not available yet: run exactly once "
-            "without dead letters (the relay stops at an event Kafka refuses), or at least once"
-        )
     settings = StreamSettings(
         **relay.settings(dsn, table, header_columns).shared(),
         slot=slot,

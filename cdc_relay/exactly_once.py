@@ -27,17 +27,23 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+)
 
-from cdc_relay.errors import DeliveryError, KafkaUnavailableError
-from cdc_relay.lsn import Lsn
+from cdc_relay.errors import DeliveryError, KafkaUnavailableError, PreflightError
+from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
+from cdc_relay.refusals import is_culprit
 from cdc_relay.sink import Acked, KafkaSink, Refused
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
 _COMMIT_RETRIES = 10
+_FATAL_REASON_WAIT = 2.0  # seconds to wait for the reason of a bare "Fatal error"
 
 
 @dataclass(frozen=True)
@@ -105,12 +111,17 @@ def transactional_id(slot: str) -> str:
     return f"cdc-relay-{slot}"
 
 
-def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> None:
-    """Create the checkpoint topic (compacted, one partition) unless it exists."""
+def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> bool:
+    """Create the checkpoint topic (compacted, one partition) unless it exists; True if it
+    was created here."""
     admin = AdminClient({k: v for k, v in config.items() if not k.startswith("enable.")})
-    metadata = admin.list_topics(timeout=timeout)
+    try:
+        metadata = admin.list_topics(timeout=timeout)
+    except KafkaException as exc:
+        why = _unreadable(config, topic, timeout, exc.args[0], [])
+        raise KafkaUnavailableError(why) from None
     if topic in metadata.topics and metadata.topics[topic].error is None:
-        return
+        return False
     futures = admin.create_topics(
         [NewTopic(topic, 1, -1, config={"cleanup.policy": "compact"})],
         request_timeout=timeout,
@@ -123,44 +134,83 @@ def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> None:
                 f"cannot create the checkpoint topic {topic}: {exc.args[0].str()}; create it "
                 "with cleanup.policy=compact, or grant the relay's principal CREATE on it"
             ) from None
+        return False
+    return True
 
 
 def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: float) -> Checkpoint:
     """The last committed checkpoint of ``key`` (read_committed); an empty one if none."""
-    wanted = {
-        k: v
-        for k, v in config.items()
-        if k.startswith(("bootstrap.", "security.", "ssl.", "sasl.", "client."))
-    }
+    try:
+        found = committed_checkpoint(config, topic, key, timeout)
+    except NoCheckpointTopic:
+        return Checkpoint()
+    return found or Checkpoint()
+
+
+class NoCheckpointTopic(KafkaUnavailableError):
+    """The checkpoint topic does not exist: nothing was ever committed through it."""
+
+
+def committed_checkpoint(
+    config: Mapping[str, str], topic: str, key: str, timeout: float
+) -> Checkpoint | None:
+    """The last checkpoint record of ``key`` in committed Kafka transactions (read with
+    read_committed), None if there is none; within ``timeout`` seconds in all, else
+    KafkaUnavailableError (NoCheckpointTopic when the topic does not exist)."""
+    deadline = time.monotonic() + timeout
+    errors: list[KafkaError] = []
     consumer = Consumer(
         {
-            **wanted,
+            **_client_settings(config),
             "group.id": f"cdc-relay-checkpoint-{key}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
+            # an unreachable broker is said once, in the exception, not logged line by line
+            "error_cb": errors.append,
+            "log_level": 0,
         }
     )
-    found = Checkpoint()
+
+    def left() -> float:
+        return max(0.1, deadline - time.monotonic())
+
+    found = None
     try:
-        partitions = consumer.list_topics(topic, timeout=timeout).topics[topic].partitions
-        assigned = []
-        ends = {}
-        for partition in partitions:
-            low, high = consumer.get_watermark_offsets(
-                TopicPartition(topic, partition), timeout=timeout
-            )
-            if high > low:
-                assigned.append(TopicPartition(topic, partition, low))
-                ends[partition] = high
+        try:
+            metadata = consumer.list_topics(topic, timeout=left()).topics[topic]
+        except KafkaException as exc:
+            raise KafkaUnavailableError(
+                _unreadable(config, topic, timeout, exc.args[0], errors)
+            ) from None
+        if metadata.error is not None:
+            if metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                raise NoCheckpointTopic(
+                    f"the checkpoint topic {topic} does not exist; stream --exactly-once or "
+                    "setup-slot --exactly-once creates it"
+                )
+            raise KafkaUnavailableError(_unreadable(config, topic, timeout, metadata.error, errors))
+        try:
+            assigned = []
+            ends = {}
+            for partition in metadata.partitions:
+                low, high = consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=left()
+                )
+                if high > low:
+                    assigned.append(TopicPartition(topic, partition, low))
+                    ends[partition] = high
+        except KafkaException as exc:
+            raise KafkaUnavailableError(
+                _unreadable(config, topic, timeout, exc.args[0], errors)
+            ) from None
         consumer.assign(assigned)
-        deadline = time.monotonic() + timeout
         while ends:
             if time.monotonic() > deadline:
                 raise KafkaUnavailableError(
                     f"could not read the checkpoint topic {topic} within {timeout:g}s"
                 )
-            msg = consumer.poll(0.5)
+            msg = consumer.poll(min(0.5, left()))
             if msg is None:
                 continue
             error, partition = msg.error(), msg.partition() or 0
@@ -168,7 +218,12 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
                 if error.code() == KafkaError._PARTITION_EOF:
                     ends.pop(partition, None)
                     continue
-                raise KafkaUnavailableError(f"reading {topic}: {error.str()}")
+                if error.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
+                    # The client insists on a group, whose coordinator it looks up; the reader
+                    # uses none (assigned partitions, offsets from the watermarks): no ACL on
+                    # it is needed.
+                    continue
+                raise KafkaUnavailableError(_unreadable(config, topic, timeout, error, errors))
             value = msg.value()
             if msg.key() == key.encode() and value:
                 found = Checkpoint.decode(value)
@@ -177,6 +232,93 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
     finally:
         consumer.close()
     return found
+
+
+def _client_settings(config: Mapping[str, str]) -> dict[str, str]:
+    """What a consumer or admin client takes of the producer's settings: where and how to
+    connect."""
+    return {
+        k: v
+        for k, v in config.items()
+        if k.startswith(("bootstrap.", "security.", "ssl.", "sasl.", "client."))
+    }
+
+
+def _unreadable(
+    config: Mapping[str, str],
+    topic: str,
+    timeout: float,
+    err: KafkaError,
+    errors: list[KafkaError],
+) -> str:
+    if err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        return (
+            f"Kafka refused to let the relay read the checkpoint topic {topic}: {err.str()}; "
+            "grant its principal READ and DESCRIBE on that topic"
+        )
+    where = config.get("bootstrap.servers", "?")
+    reasons = [e.str() for e in errors if e.code() != KafkaError._ALL_BROKERS_DOWN]
+    reason = reasons[-1] if reasons else err.str()
+    return (
+        f"no Kafka broker answered at {where} within {timeout:g}s ({reason}); check "
+        "--kafka-bootstrap and that the broker is running"
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointStatus:
+    """What ``cdc-relay status`` says of a slot streamed with --exactly-once."""
+
+    transactional_id: str
+    topic: str
+    checkpoint: Checkpoint | None  # None: no committed record, or Kafka did not say
+    problem: str | None = None  # why Kafka did not say
+    absent: str | None = None  # why there is no checkpoint, when it is not for lack of commits
+
+    def as_json(self) -> dict[str, Any]:
+        ckpt = self.checkpoint
+        return {
+            "transactional_id": self.transactional_id,
+            "topic": self.topic,
+            "position": format_lsn(ckpt.position) if ckpt else None,
+            "partial_position": format_lsn(ckpt.partial_position)
+            if ckpt and ckpt.partial_events
+            else None,
+            "partial_events": ckpt.partial_events if ckpt else None,
+            "problem": self.problem or self.absent,
+            "summary": self.describe(),
+        }
+
+    def describe(self) -> str:
+        """One line for the status table."""
+        of = f"(transactional id {self.transactional_id}, topic {self.topic})"
+        ckpt = self.checkpoint
+        if self.problem is not None:
+            return f"unknown {of}: {self.problem}"
+        if ckpt is None:
+            why = self.absent or "no Kafka transaction with this id has committed yet"
+            return f"none {of}: {why}"
+        partial = (
+            f", and {ckpt.partial_events} events of the transaction at "
+            f"{format_lsn(ckpt.partial_position)}"
+            if ckpt.partial_events
+            else ""
+        )
+        return f"{format_lsn(ckpt.position)}{partial} {of}"
+
+
+def checkpoint_status(
+    config: Mapping[str, str], eos: ExactlyOnce, timeout: float
+) -> CheckpointStatus:
+    """The committed checkpoint of ``eos``'s transactional id, or why it cannot be read;
+    within about ``timeout`` seconds, never raising for Kafka's sake."""
+    try:
+        found = committed_checkpoint(config, eos.checkpoint_topic, eos.transactional_id, timeout)
+    except NoCheckpointTopic as exc:
+        return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, absent=str(exc))
+    except KafkaUnavailableError as exc:
+        return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, str(exc))
+    return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, found)
 
 
 class TransactionAborted(Exception):
@@ -203,6 +345,8 @@ class TransactionalSink(KafkaSink):
         self._key = transactional_id.encode()
         self._timeout = timeout
         self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
+        self._purged: list[Any] = []  # tokens of the open transaction purged, not refused
+        self._refused_in_commit = False  # the commit failed on a refusal of one message
         self._open = False
         self.events = 0  # events in the open transaction
         self.opened = 0.0  # when it began (monotonic)
@@ -212,8 +356,49 @@ class TransactionalSink(KafkaSink):
 
     def initialise(self) -> None:
         """Fence older producers of this transactional id and abort their open transaction."""
-        self._call(self._producer.init_transactions, self._timeout)
+        try:
+            self._producer.init_transactions(self._timeout)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.code() == KafkaError._TIMED_OUT or (err.retriable() and not _fenced(err)):
+                # No transaction coordinator answered in time: say why, if the brokers tell.
+                raise PreflightError(
+                    transactions_unavailable(self._config, self._key.decode(), self._timeout)
+                ) from None
+            self._fail(err)
         self._initialised = True
+        self._probe()
+
+    def _probe(self) -> None:
+        """Preflight: whether the relay may write the checkpoint topic in a transaction.
+        Every commit carries a checkpoint record: refused, no transaction could ever commit
+        (the broker refuses it when the transaction adds the topic, naming no topic). So a
+        first transaction holds a record there alone, and is aborted: nothing of it is ever
+        visible, and a crash leaves it to the next relay's init_transactions to abort."""
+        failed: list[KafkaError] = []
+
+        def delivered(err: KafkaError | None, _: Any) -> None:
+            if err is not None:
+                failed.append(err)
+
+        self._call(self._producer.begin_transaction)
+        try:
+            self._producer.produce(self._topic, b"", self._key, on_delivery=delivered)
+            self._producer.flush(self._timeout)
+            self._producer.abort_transaction(self._timeout)
+        except KafkaException as exc:
+            failed.append(exc.args[0])
+        if not failed:
+            return
+        for err in failed:
+            if self.failure is not None or _fenced(err) or err.retriable():
+                self._fail(err)  # fenced, or the broker away: not about the topic
+        # Refused, the record is purged and the abort fails; Kafka's words name no topic.
+        reasons = "; ".join(dict.fromkeys(err.str() for err in failed))
+        raise DeliveryError(
+            f"the relay cannot write its checkpoint topic {self._topic} in a transaction "
+            f"({reasons}); grant the relay's principal WRITE on that topic"
+        )
 
     def offer(self, message: Any, token: Any) -> bool:
         if self.failure is not None:  # fenced, or failed for good: nothing more goes out
@@ -222,6 +407,7 @@ class TransactionalSink(KafkaSink):
             self._call(self._producer.begin_transaction)
             self._open = True
             self.opened = time.monotonic()
+            self._purged = []
         accepted = super().offer(message, token)
         if accepted:
             self.events += 1
@@ -246,7 +432,17 @@ class TransactionalSink(KafkaSink):
                 if err.txn_requires_abort():
                     # Kafka refused a message of it (its report came during the commit's
                     # flush): abort, and let the caller replay.
-                    self.renew()
+                    events = self.events
+                    self._refused_in_commit = is_culprit(err)
+                    try:
+                        self.renew()  # serves the reports of the purged messages
+                    finally:
+                        self._refused_in_commit = False
+                    if events == 1 and len(self._purged) == 1 and is_culprit(err):
+                        # A message alone in its transaction, purged because Kafka refused
+                        # to add its partition (a topic not authorised): the refusal is its
+                        # own, and it is told so (its report said only "purged").
+                        self._on_refused(self._purged[0], err)
                     raise TransactionAborted(err.str()) from None
                 self._fail(err)
         self._open = False
@@ -262,7 +458,10 @@ class TransactionalSink(KafkaSink):
         """Abort the open transaction: nothing of it becomes visible; its messages are
         reported refused (purged), and a replay produces them again."""
         if self._open:
-            self._call(self._producer.abort_transaction, self._timeout)
+            try:
+                self._producer.abort_transaction(self._timeout)
+            except KafkaException as exc:
+                self._abort_failed(exc.args[0])
             self.aborted += 1
             KAFKA_TRANSACTIONS.labels(outcome="aborted").inc()
         self._producer.flush(0)
@@ -271,6 +470,27 @@ class TransactionalSink(KafkaSink):
         self.events = 0
         self.broken = False
 
+    def _abort_failed(self, err: KafkaError) -> None:
+        """The abort failed: stop, unless the producer is failed by Kafka refusing to end a
+        transaction whose partitions it refused to add (a topic not authorised, refused
+        during the commit): then a new producer with the same transactional id takes over,
+        whose init_transactions ends what is left of it, as a restarted relay's would. Only
+        then: a new producer fences any other (a relay that took over would be stopped)."""
+        refused = self._refused_in_commit
+        if not (refused and err.fatal() and err.code() == KafkaError.INVALID_TXN_STATE):
+            self._fail(err)
+        log.warning(
+            "Kafka failed the producer when aborting a transaction (%s); starting a new one",
+            err.str(),
+            extra={"action": "producer_renewed"},
+        )
+        old, self._producer = self._producer, self._new_producer()
+        with contextlib.suppress(KafkaException):
+            old.purge()
+            old.flush(0)  # serves the purged messages' reports, and the fatal error's
+        self.failure = None  # the old producer's, which is gone
+        self._call(self._producer.init_transactions, self._timeout)
+
     def close(self) -> int:
         left = self.events
         if self._open:
@@ -278,7 +498,8 @@ class TransactionalSink(KafkaSink):
                 self._producer.abort_transaction(5.0)
             except KafkaException:
                 pass  # fenced or gone: nothing of it is visible either way
-        self._producer.flush(0)
+        with contextlib.suppress(KafkaException):  # a failed producer raises its error again
+            self._producer.flush(0)
         return left
 
     def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
@@ -286,6 +507,8 @@ class TransactionalSink(KafkaSink):
             self.connected = True
             self._appended.append(token)  # acknowledged when the transaction commits
         else:
+            if err.code() in (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT):
+                self._purged.append(token)
             self._on_refused(token, err)
 
     def _on_fatal(self, err: KafkaError) -> None:
@@ -301,23 +524,75 @@ class TransactionalSink(KafkaSink):
 
     def _fail(self, err: KafkaError) -> NoReturn:
         if self.failure is None and err.code() == KafkaError._FATAL:
-            # "Fatal error" alone: the error callback that says why (fenced, most often) may
-            # not have been served yet
-            with contextlib.suppress(KafkaException):
-                self._producer.poll(0)
+            self._fatal_reason()
+        if self.failure is None and _fenced(err):
+            self.failure = _fenced_error()  # every later call says so too
         if self.failure is not None:  # the client said why first
             raise self.failure
-        if _fenced(err):
-            raise _fenced_error()
         if err.code() == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            # IDEMPOTENT_WRITE on the cluster is not asked for: a broker authorises a
+            # transactional producer by its transactional id alone.
             raise DeliveryError(
                 f"Kafka refused the transactional id: {err.str()}; grant the relay's principal "
-                "WRITE and DESCRIBE on its transactional id, and IDEMPOTENT_WRITE on the cluster"
+                f"WRITE and DESCRIBE on transactional id {self._key.decode()}"
             )
         raise DeliveryError(
             f"Kafka transaction failed: {err.str()}; restart the relay: it resumes after the "
             "last committed checkpoint"
         )
+
+    def _fatal_reason(self) -> None:
+        """Find why the producer failed when Kafka said only "Fatal error" (fenced, most
+        often), into ``failure``. A transactional call on a failed producer answers with the
+        error that failed it; poll raises it too, once its event is queued (which may come
+        later than the bare error: hence the short wait)."""
+        try:
+            self._producer.abort_transaction(1.0)
+        except KafkaException as exc:
+            if exc.args[0].fatal():
+                self._on_fatal(exc.args[0])
+        deadline = time.monotonic() + _FATAL_REASON_WAIT
+        while self.failure is None and time.monotonic() < deadline:
+            try:
+                self._producer.poll(0.05)
+            except KafkaException as exc:  # the fatal error itself, not a callback's
+                self._on_fatal(exc.args[0])
+
+
+TRANSACTION_LOG = "__transaction_state"
+
+
+def transactions_unavailable(config: Mapping[str, str], tid: str, waited: float) -> str:
+    """Why Kafka set up no transaction for ``tid`` within ``waited`` seconds, with what to do:
+    the brokers' transaction log settings against their number when they tell, else the
+    likely causes."""
+    generic = (
+        f"Kafka did not set up transactions for transactional id {tid} within {waited:g}s: no "
+        f"transaction coordinator answered (a broker creates {TRANSACTION_LOG} on first use, and "
+        "cannot when transaction.state.log.replication.factor exceeds the number of brokers or "
+        "transaction.state.log.min.isr the replicas in sync); check the brokers' settings and "
+        "logs, then start the relay again, or run it without --exactly-once"
+    )
+    admin = AdminClient({**_client_settings(config), "log_level": 0})
+    try:
+        metadata = admin.list_topics(timeout=5)
+        brokers = len(metadata.brokers)
+        if TRANSACTION_LOG in metadata.topics and metadata.topics[TRANSACTION_LOG].error is None:
+            return generic  # the log exists: not a matter of its settings
+        resource = ConfigResource(ConfigResource.Type.BROKER, str(next(iter(metadata.brokers))))
+        entries = admin.describe_configs([resource], request_timeout=5)[resource].result(5)
+        factor = int(entries["transaction.state.log.replication.factor"].value)
+    except (KafkaException, KeyError, StopIteration, ValueError):
+        return generic  # not allowed to describe the broker's settings, or not told
+    if factor <= brokers:
+        return generic
+    return (
+        f"Kafka cannot run transactions: the brokers' transaction.state.log.replication.factor "
+        f"is {factor} and the cluster has {brokers} broker{'s' if brokers != 1 else ''}, so "
+        f"{TRANSACTION_LOG} cannot be created; set transaction.state.log.replication.factor "
+        f"(and transaction.state.log.min.isr) to at most {brokers} in the brokers' settings and "
+        "restart them, or add brokers, or run the relay without --exactly-once"
+    )
 
 
 def _fenced(err: KafkaError) -> bool:

@@ -636,10 +636,16 @@ class StreamRelay:
             if err is not None:
                 return err
             if self._eos is not None:
+                # The checkpoint committed with the message counts it (the event, or its dead
+                # letter standing for it): a replay after a crash must skip it, not publish it
+                # again. _send counts it for good once it returns; aborted, it is not counted.
+                self._unit_events += 1
                 try:
                     self._commit_kafka()
                 except TransactionAborted:
                     pass  # its report came with Kafka's answer
+                finally:
+                    self._unit_events -= 1
             while self._lone_result is _PENDING:
                 self._wait_for_kafka()  # nothing else is in flight: no refusal but its own
             return self._lone_result if isinstance(self._lone_result, KafkaError) else None
