@@ -36,7 +36,7 @@ from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
 from cdc_relay.exactly_once import transactional_id as eos_id
-from cdc_relay.handover import handover
+from cdc_relay.handover import handover, parse_since, republish
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
 from cdc_relay.poller import PollRelay, PollSettings
@@ -400,6 +400,14 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     "snapshot and publish the rows still unprocessed in it; stream takes the rest.",
 )
 @_option(
+    "--republish-since",
+    metavar="TIME",
+    help="Make a lost slot anew (gone after a promotion, or dropped once invalidated): create "
+    "it with an exported snapshot and first publish, with the Kafka options, every row created "
+    "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
+    "the rest.",
+)
+@_option(
     "--create-table",
     is_flag=True,
     help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
@@ -423,6 +431,7 @@ def setup_slot(
     columns: tuple[str, ...],
     dry_run: bool,
     from_poller: bool,
+    republish_since: str | None,
     create_table: bool,
     failover_slot: bool,
     kafka_bootstrap: str | None,
@@ -452,6 +461,37 @@ def setup_slot(
         failover=failover_slot,
     )
     spec = specs[0]
+
+    def publishing(bootstrap: str) -> PollSettings:
+        """The settings of a job that publishes rows before it makes the slot."""
+        logs.configure()
+        return PollSettings(
+            dsn=dsn,
+            table=table,
+            kafka_config=producer_config(
+                bootstrap, kafka_settings(kafka_config, kafka_config_file)
+            ),
+            topic_template=topic_template,
+            tombstone_on_empty=tombstone_on_empty_payload,
+            kafka_timeout=kafka_timeout,
+            cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
+        )
+
+    if republish_since is not None:
+        since = parse_since(republish_since)
+        if from_poller or failover_slot or shards is not None or dry_run or create_table:
+            raise UsageError(
+                "--republish-since makes one plain slot for one stream relay: leave out "
+                "--from-poller, --failover, --shards, --dry-run and --create-table (set up "
+                "failover or shards once it is made)"
+            )
+        if not kafka_bootstrap:
+            raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
+        settings = publishing(kafka_bootstrap)
+        layout = OutboxLayout.from_options(columns, ())
+        for line in republish(settings, spec, since, layout).lines:
+            click.echo(line)
+        return
     if from_poller and failover_slot:
         raise UsageError(
             "--from-poller creates the slot through the replication protocol: set it up, then "
@@ -468,18 +508,7 @@ def setup_slot(
                 "--from-poller publishes the rows the poller left: give --kafka-bootstrap "
                 "(and not --dry-run)"
             )
-        logs.configure()
-        settings = PollSettings(
-            dsn=dsn,
-            table=table,
-            kafka_config=producer_config(
-                kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
-            ),
-            topic_template=topic_template,
-            tombstone_on_empty=tombstone_on_empty_payload,
-            kafka_timeout=kafka_timeout,
-            cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
-        )
+        settings = publishing(kafka_bootstrap)
         if create_table:
             raise UsageError(
                 "--from-poller takes over from a poller, whose outbox table exists: drop "
