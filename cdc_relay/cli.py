@@ -408,6 +408,13 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     "the rest.",
 )
 @_option(
+    "--header-column",
+    "header_columns",
+    multiple=True,
+    metavar="COLUMN",
+    help="With --republish-since: send this column as a header, as stream does; repeatable.",
+)
+@_option(
     "--create-table",
     is_flag=True,
     help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
@@ -432,6 +439,7 @@ def setup_slot(
     dry_run: bool,
     from_poller: bool,
     republish_since: str | None,
+    header_columns: tuple[str, ...],
     create_table: bool,
     failover_slot: bool,
     kafka_bootstrap: str | None,
@@ -474,9 +482,16 @@ def setup_slot(
             topic_template=topic_template,
             tombstone_on_empty=tombstone_on_empty_payload,
             kafka_timeout=kafka_timeout,
-            cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
+            cloudevents=cloudevents.configure(
+                cloudevents_enabled, cloudevents_source, dsn, table, header_columns
+            ),
         )
 
+    if header_columns and republish_since is None:
+        raise UsageError(
+            "--header-column is for --republish-since, which publishes what stream would: give "
+            "it there, or leave it out"
+        )
     if republish_since is not None:
         since = parse_since(republish_since)
         if from_poller or failover_slot or shards is not None or dry_run or create_table:
@@ -488,7 +503,7 @@ def setup_slot(
         if not kafka_bootstrap:
             raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
         settings = publishing(kafka_bootstrap)
-        layout = OutboxLayout.from_options(columns, ())
+        layout = OutboxLayout.from_options(columns, header_columns)
         for line in republish(settings, spec, since, layout).lines:
             click.echo(line)
         return

@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import FrameType, TracebackType
@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import class_row
+from psycopg.rows import RowFactory, RowMaker, class_row
 
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
@@ -62,7 +62,7 @@ def parse_since(text: str) -> datetime | timedelta:
 
 @dataclass
 class Handover:
-    """What the handover did, in sentences for the user."""
+    """What the handover or the republish did, in sentences for the user."""
 
     lines: list[str]
 
@@ -73,6 +73,9 @@ class _Progress:
 
     published: int = 0  # published (and, where the backlog marks rows, marked processed)
     copying: bool = False  # making the slot permanent: done or not, every row is published
+
+
+_ROWS: RowFactory[OutboxRow] = class_row(OutboxRow)
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,7 @@ class Backlog:
     job: str  # "the handover"
     what: str  # the rows, for the last line: "that were unprocessed at {lsn}"
     again: str  # what to do once it was undone: "run it again, or start the pollers again"
+    rows: RowFactory[OutboxRow] = _ROWS
 
     def done(self, published: int) -> str:
         marked = " and marked processed" if self.mark else ""
@@ -129,23 +133,58 @@ def republish(
     """
 
     def backlog(guard: psycopg.Connection[dict[str, Any]]) -> Backlog:
-        outbox, moment = _check_republish(guard, settings, spec, since, layout)
+        outbox, moment, headers = _check_republish(guard, settings, spec, since, layout)
         columns = {
             field: sql.Identifier(layout.column(field))
             for field in ("id", "aggregate_type", "aggregate_id", "event_type")
         }
+        aliases = [sql.Identifier(f"header_{i}") for i in range(len(headers))]
+        values = [
+            sql.SQL(", ")
+            + sql.SQL(QUERIES["header_value"]).format(column=sql.Identifier(name), alias=alias)
+            for name, alias in zip(headers, aliases, strict=True)
+        ]
+        query = outbox.query(
+            "republish",
+            payload_column=sql.Identifier(layout.payload),
+            header_values=sql.Composed(values),
+            headers=sql.Composed([sql.SQL(", t.") + alias for alias in aliases]),
+            **columns,
+        )
         return Backlog(
             outbox,
-            outbox.query("republish", payload_column=sql.Identifier(layout.payload), **columns),
+            query,
             {"since": moment},
             mark=False,
             job="the republish",
             what=f"created since {moment.isoformat()} (or without created_at), committed before "
             "{lsn}",
             again="run it again",
+            rows=_with_headers(headers),
         )
 
     return publish_then_slot(settings, spec, backlog)
+
+
+def _with_headers(names: tuple[str, ...]) -> RowFactory[OutboxRow]:
+    """Rows of a query whose last columns are the values of header columns ``names``: each
+    becomes a header of its column's name, left out when NULL (as ``stream`` does)."""
+
+    def factory(cursor: psycopg.Cursor[Any]) -> RowMaker[OutboxRow]:
+        fields = [column.name for column in cursor.description or ()]
+        own = len(fields) - len(names)
+
+        def make(values: Sequence[Any]) -> OutboxRow:
+            headers = tuple(
+                (name, bytes(value))
+                for name, value in zip(names, values[own:], strict=True)
+                if value is not None
+            )
+            return OutboxRow(**dict(zip(fields[:own], values[:own], strict=True)), headers=headers)
+
+        return make
+
+    return factory
 
 
 def publish_then_slot(
@@ -243,8 +282,9 @@ def _check_republish(
     spec: SlotSpec,
     since: datetime | timedelta,
     layout: OutboxLayout,
-) -> tuple[Outbox, datetime]:
-    """Check what the republish needs; the outbox, and the moment ``since`` means."""
+) -> tuple[Outbox, datetime, tuple[str, ...]]:
+    """Check what the republish needs; the outbox, the moment ``since`` means, and the header
+    columns the table has (one that is not there is left out, as ``stream`` does)."""
     outbox = resolve(conn, settings.table, layout.payload)
     if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
         raise PreflightError(
@@ -270,15 +310,21 @@ def _check_republish(
             "--republish-since cannot tell which rows are recent; make it timestamptz"
         )
     _check_room(conn, "the republish")
+    found = conn.execute(
+        QUERIES["republish_columns"],
+        {"oid": outbox.table.oid, "columns": list(layout.header_columns)},
+    )
+    absent = set((found.fetchone() or {}).get("missing") or ())
+    headers = tuple(name for name in layout.header_columns if name not in absent)
     at, age = (since, None) if isinstance(since, datetime) else (None, since)
     moment = conn.execute(QUERIES["since"], {"at": at, "age": age}).fetchone() or {}
     if moment["since"] > moment["now"]:
         raise PreflightError(
             f"--republish-since {moment['since'].isoformat()} is in the future (the server's "
-            f"clock reads {moment['now'].isoformat()}): it would republish nothing; give the "
-            "moment the lost slot had relayed up to, less your longest transaction"
+            f"clock reads {moment['now'].isoformat()}): it would republish nothing; give a "
+            "moment before the oldest event the lost slot may not have relayed"
         )
-    return outbox, moment["since"]
+    return outbox, moment["since"], headers
 
 
 def _switch(
@@ -300,7 +346,7 @@ def _switch(
             reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             reader.read_only = True
             reader.execute(sql.SQL(QUERIES["set_snapshot"]).format(snapshot=sql.Literal(snapshot)))
-            with reader.cursor(name="cdc_relay_handover") as rows:
+            with reader.cursor(name="cdc_relay_handover", row_factory=backlog.rows) as rows:
                 rows.execute(backlog.query, backlog.params)
                 _publish_all(settings, backlog, publisher, rows, guard, progress)
         # Every row is published (and marked): the job is complete once the copy is made, so

@@ -98,6 +98,7 @@ class OutboxRow:
     attempts: int
     created_at: str | None = None  # ISO 8601 (to_jsonb), when the table has the column
     payload_kind: PayloadKind = "json"
+    headers: tuple[tuple[str, bytes], ...] = ()  # --header-column values (a republish's)
 
     @property
     def aggregate(self) -> tuple[str, str]:
@@ -113,6 +114,7 @@ class OutboxRow:
             commit_lsn=0,
             xid=0,
             commit_time_us=0,
+            headers=self.headers,
             created_at=None if self.created_at is None else self.created_at.encode(),
             payload_kind=self.payload_kind,
         )

@@ -425,18 +425,24 @@ ORDER BY t.seq
 -- republish --
 -- Every row created at or after `since`, and every one whose created_at is NULL (its age is
 -- unknown: sent rather than risked), oldest first, as of the transaction's snapshot. The inner
--- SELECT names the columns of --column as the fields ({id}, ...: identifiers); a table
--- without the poller's columns has no attempts. {payload}, {created_at} and {payload_kind} as
--- in claim
+-- SELECT names the columns of --column as the fields ({id}, ...: identifiers), and reads the
+-- --header-column values ({header_values}: header_value, each after a comma) that the outer
+-- one passes on ({headers}); a table without the poller's columns has no attempts.
+-- {payload}, {created_at} and {payload_kind} as in claim
 SELECT t.id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, 0 AS attempts,
-       {created_at} AS created_at, {payload_kind} AS payload_kind
+       {created_at} AS created_at, {payload_kind} AS payload_kind{headers}
 FROM (SELECT s.{id}::text AS id, s.{aggregate_type}::text AS aggregate_type,
              s.{aggregate_id}::text AS aggregate_id, s.{event_type}::text AS event_type,
-             s.{payload_column} AS payload, s.created_at, s.seq
+             s.{payload_column} AS payload, s.created_at, s.seq{header_values}
       FROM {table} AS s) AS t
 WHERE t.created_at >= %(since)s::timestamptz OR t.created_at IS NULL
 ORDER BY t.seq
+
+-- header_value --
+-- A --header-column of a republish: its text in the database's encoding, the bytes pgoutput
+-- sends (NULL: no header)
+convert_to(s.{column}::text, getdatabaseencoding()) AS {alias}
 
 -- republish_columns --
 -- Which of the columns the republish reads the outbox table lacks

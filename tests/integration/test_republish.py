@@ -7,11 +7,15 @@ may fall between the two, and only events created at or after T may reach Kafka 
 from __future__ import annotations
 
 import base64
+import difflib
+import json
 import random
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -20,8 +24,10 @@ import psycopg
 import pytest
 from relaytools import (
     Load,
+    Received,
     RelayProcess,
     Writer,
+    Written,
     check,
     consume,
     create_topics,
@@ -69,6 +75,57 @@ def created_at(dsn: str, ids: list[str]) -> dict[str, datetime]:
     return dict(rows)
 
 
+@dataclass
+class Outcome:
+    made: subprocess.CompletedProcess[str]  # setup-slot --republish-since
+    since: datetime  # its TIME
+    started: float  # time.monotonic() when it started
+    written: list[Written]
+    received: list[Received]
+
+
+def republish_then_stream(
+    dsn: str, bootstrap: str, names: Any, load: Load, relay: RelayProcess
+) -> Outcome:
+    """With the slot lost: T = the start of the oldest event Kafka lacks, less half a second
+    (Kafka has events committed after ones it lacks: its partitions fill independently, so a
+    relay that died had earlier events in flight); setup-slot --republish-since T; ``relay``
+    streams for 2 s under ``load``; then stops, with everything written on Kafka."""
+    had = {r.id for r in consume(bootstrap, names.topic_prefix, expected=1, settle=3)}
+    lacked = created_at(dsn, [w.id for w in list(load.written) if w.id not in had])
+    since = min(lacked.values()) - timedelta(seconds=0.5)
+    newest = max(created_at(dsn, list(had)).values())
+    print(f"T={since}, {newest - since} before the newest event Kafka had")
+    assert since < newest, "T is before the newest event Kafka had"
+    started = time.monotonic()
+    made = republish(dsn, bootstrap, names, "--republish-since", since.isoformat())
+    assert made.returncode == 0, made.stderr
+    relay.start()
+    time.sleep(2)
+    written = load.stop()
+    received = consume(bootstrap, names.topic_prefix, expected=len(written))
+    assert relay.stop() == 0, relay.log()
+    print(made.stdout)
+    return Outcome(made, since, started, written, received)
+
+
+def judge(dsn: str, names: Any, outcome: Outcome) -> set[str]:
+    """Lost 0, as stored, first deliveries in order per aggregate, each event at most twice and
+    twice only if created at or after T; the ids sent twice."""
+    verdict = check(outcome.written, outcome.received, names.topic_prefix)
+    counts = Counter(r.id for r in outcome.received)
+    twice = {event_id for event_id, n in counts.items() if n > 1}
+    moments = created_at(dsn, list(twice))
+    print(f"{verdict}; sent twice: {len(twice)}; T={outcome.since}")
+    lost = created_at(dsn, verdict.lost)
+    assert verdict.lost == [], f"created from {min(lost.values())} to {max(lost.values())}"
+    assert verdict.mismatched == []
+    assert verdict.out_of_order == []
+    assert max(counts.values()) <= 2
+    assert all(moments[event_id] >= outcome.since for event_id in twice), "older than T"
+    return twice
+
+
 @pytest.mark.pg18
 def test_a_lost_slot_made_anew_with_republish_since_loses_nothing_under_load(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
@@ -86,50 +143,25 @@ def test_a_lost_slot_made_anew_with_republish_since_loses_nothing_under_load(
         drop_slot(outbox_db, names.slot)  # the promoted standby has no slot
         dropped = time.monotonic()
         time.sleep(1)  # commits that no slot will ever decode
-
-        # T: the newest event Kafka had, less a margin for transactions open across it
-        had = consume(bootstrap, names.topic_prefix, expected=1, settle=3)
-        assert had, relay.log()
-        newest = max(created_at(outbox_db, [r.id for r in had]).values())
-        since = newest - timedelta(seconds=1)
-        started = time.monotonic()
-        made = republish(outbox_db, bootstrap, names, "--republish-since", since.isoformat())
-        assert made.returncode == 0, made.stderr
-        after.start()
-        time.sleep(2)
-        written = load.stop()
-        received = consume(bootstrap, names.topic_prefix, expected=len(written))
-        assert after.stop() == 0, after.log()
+        outcome = republish_then_stream(outbox_db, bootstrap, names, load, after)
     finally:
         load.stop()
         relay.close()
         after.close()
 
-    print(made.stdout)
-    lines = made.stdout.splitlines()
+    lines = outcome.made.stdout.splitlines()
     assert lines[0] == f"exists: publication {names.publication} on public.outbox_events"
     assert lines[1].startswith(f"created slot {names.slot} (pgoutput) at ")
     assert lines[2].startswith("published ")
     republished = int(lines[2].split()[1])
-    verdict = check(written, received, names.topic_prefix)
-    counts = Counter(r.id for r in received)
-    twice = [event_id for event_id, n in counts.items() if n > 1]
-    moments = created_at(outbox_db, list(counts))
+    twice = judge(outbox_db, names, outcome)
     # committed while no slot existed: on Kafka only through the republish, and once
-    gap = {w.id for w in written if dropped < w.committed_at < started}
-    print(
-        f"{verdict}; republished={republished}; sent twice: {len(twice)}; committed while "
-        f"the slot was gone: {len(gap)}; T={since}"
-    )
-    assert verdict.lost == []
-    assert verdict.mismatched == []
-    assert verdict.out_of_order == []
-    assert max(counts.values()) <= 2
-    assert all(moments[event_id] >= since for event_id in twice), "a duplicate older than T"
+    gap = {w.id for w in outcome.written if dropped < w.committed_at < outcome.started}
+    print(f"republished={republished}; committed while the slot was gone: {len(gap)}")
     assert twice, "T was before events Kafka had: they go out again"
     assert republished >= len(twice)
     assert len(gap) > 50, "too few events were committed while the slot was gone"
-    assert not gap & set(twice)
+    assert not gap & twice
     assert slots(outbox_db) == [names.slot]
 
 
@@ -252,3 +284,113 @@ def test_a_stream_outbox_with_other_column_names_is_republished_as_stream_sends_
         b"order.created",
         b"order.paid",
     ] * 2
+
+
+def test_the_republish_reproduces_the_golden_wire_contract(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """Every golden file's events, republished table by table with the options stream runs
+    with there, are the golden messages byte for byte; all but event 37, created in 44 BC,
+    before any TIME --republish-since takes (event 39, created_at NULL, goes out)."""
+    import test_golden as g  # the scenario and the files, as every relay path reads them
+
+    too_old = {event.id for event in g.CLOUDEVENTS.events if event.n == 37}
+    goldens = list(g.GOLDEN_FILES)
+    g.prepare_tables(outbox_db, goldens)
+    g.create_topics(
+        kafka_service.bootstrap,
+        {
+            f"{names.topic_prefix}.{json.loads(line)['topic']}"
+            for x in goldens
+            for line in x.lines()
+        },
+    )
+    for golden in goldens:
+        g.write_scenario(outbox_db, golden, as_messages=False)
+    for n, table in enumerate(dict.fromkeys(golden.table for golden in goldens)):
+        options = dict(next(x.options for x in goldens if x.table == table))
+        made = republish(
+            outbox_db,
+            kafka_service.bootstrap,
+            names,
+            "--republish-since",
+            "0001-01-01T00:00:00Z",
+            slot=f"{names.slot}_{n}",
+            publication=f"{names.publication}_{n}",
+            table=table,
+            topic_template=f"{names.topic_prefix}.{g.TOPIC_TEMPLATE}",
+            tombstone_on_empty_payload="true",
+            header_column=g.HEADER_COLUMNS,
+            **options,
+        )
+        assert made.returncode == 0, made.stderr
+    topics = g.Topics(kafka_service.bootstrap, names.topic_prefix)
+    try:
+        received = topics.read()
+    finally:
+        topics.close()
+
+    owner = {event.id: golden for golden in goldens for event in golden.events}
+    assert all(m.id in owner for m in received), [m.line() for m in received]
+    problems = []
+    for golden in goldens:
+        messages = [m for m in received if owner[m.id or ""] is golden]
+        expected = [
+            line
+            for line in golden.lines()
+            if dict(json.loads(line)["headers"])["id"] not in too_old
+        ]
+        got = g.golden_lines(messages, golden)
+        if got != expected:
+            problems.append(
+                f"{golden.name}:\n"
+                + "\n".join(
+                    d for d in difflib.ndiff(expected, got) if d.startswith(("- ", "+ ", "? "))
+                )
+            )
+        problems += g.random_partition_order_problems(messages, golden)
+    assert not problems, "\n\n".join(problems)
+    assert len(received) == sum(len(golden.events) for golden in goldens) - len(too_old)
+
+
+@pytest.fixture
+def promotable(tmp_path: Path, pg18_bin: Path) -> Iterator[Any]:
+    """A PostgreSQL 18 primary and a synchronous standby (test_failover.py's pair): what the
+    application was told committed survives the primary's death."""
+    import test_failover as f
+
+    pair = f._start_pair(tmp_path, pg18_bin, {"synchronous_standby_names": f.STANDBY})
+    try:
+        yield pair
+    finally:
+        pair.standby.cleanup(keep_logs=True)
+        pair.primary.cleanup(keep_logs=True)
+
+
+def test_after_a_real_promotion_without_failover_slots_the_republish_loses_nothing(
+    tmp_path: Path, promotable: Any, kafka_service: Any, names: Any
+) -> None:
+    """The primary dies under load and its standby is promoted: the slot stayed behind and
+    stream says so. setup-slot --republish-since on the new primary, then stream: every event
+    the application was told committed is on Kafka, in order per aggregate."""
+    pair, bootstrap = promotable, kafka_service.bootstrap
+    primary = pair.primary.dsn_for("outbox")
+    setup_slot(primary, names)  # not a failover slot
+    first = RelayProcess(tmp_path, relay_env(pair.dsn, bootstrap, names), name="first")
+    second = RelayProcess(tmp_path, relay_env(pair.dsn, bootstrap, names), name="second")
+    load = Load(pair.dsn, writers=3, pause=0.002, reconnect=True).start()
+    try:
+        first.start()
+        wait_slot(primary, names.slot, active=True)
+        time.sleep(2)
+        pair.primary.stop("immediate")
+        pair.standby.promote()
+        assert first.wait(120) == 1, first.log()
+        assert "stayed behind; make it anew with cdc-relay setup-slot" in first.log()
+        time.sleep(1)  # the application goes on writing on the new primary
+        outcome = republish_then_stream(pair.dsn, bootstrap, names, load, second)
+    finally:
+        load.stop()
+        first.close()
+        second.close()
+    judge(pair.dsn, names, outcome)
