@@ -12,7 +12,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -36,7 +36,7 @@ from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce
 from cdc_relay.exactly_once import transactional_id as eos_id
-from cdc_relay.handover import handover, parse_since, republish
+from cdc_relay.handover import handover, republish
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
 from cdc_relay.poller import PollRelay, PollSettings
@@ -67,6 +67,28 @@ def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> s
 
 def _cloudevents_source(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
     return None if value is None else cloudevents.check_source(value)
+
+
+def _since(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> datetime | timedelta | None:
+    """An age as ``_age`` reads it (--older-than's), or an ISO 8601 moment with its zone."""
+    if value is None:
+        return None
+    try:
+        return _age(ctx, param, value)
+    except click.BadParameter:
+        pass
+    try:
+        moment = datetime.fromisoformat(value.strip())
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise click.BadParameter(
+            f"{value!r} is neither an ISO 8601 moment with its zone (2026-01-05T09:00:00Z, "
+            "2026-01-05 10:00+01:00) nor an age (90s, 30m, 12h, 7d, 2w)"
+        )
+    return moment
 
 
 class Seconds(click.FloatRange):
@@ -402,6 +424,7 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
 @_option(
     "--republish-since",
     metavar="TIME",
+    callback=_since,
     help="Make a lost slot anew (gone after a promotion, or dropped once invalidated): create "
     "it with an exported snapshot and first publish, with the Kafka options, every row created "
     "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
@@ -438,7 +461,7 @@ def setup_slot(
     columns: tuple[str, ...],
     dry_run: bool,
     from_poller: bool,
-    republish_since: str | None,
+    republish_since: datetime | timedelta | None,
     header_columns: tuple[str, ...],
     create_table: bool,
     failover_slot: bool,
@@ -493,7 +516,6 @@ def setup_slot(
             "it there, or leave it out"
         )
     if republish_since is not None:
-        since = parse_since(republish_since)
         if from_poller or failover_slot or shards is not None or dry_run or create_table:
             raise UsageError(
                 "--republish-since makes one plain slot for one stream relay: leave out "
@@ -504,7 +526,7 @@ def setup_slot(
             raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
         settings = publishing(kafka_bootstrap)
         layout = OutboxLayout.from_options(columns, header_columns)
-        for line in republish(settings, spec, since, layout).lines:
+        for line in republish(settings, spec, republish_since, layout).lines:
             click.echo(line)
         return
     if from_poller and failover_slot:

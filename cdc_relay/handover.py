@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowFactory, RowMaker, class_row
 
-from cdc_relay.errors import DeliveryError, PreflightError, RelayError, UsageError
+from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.poller import (
     Outbox,
@@ -37,27 +36,6 @@ from cdc_relay.poller import (
 from cdc_relay.publisher import Publisher
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
-
-_AGE = re.compile(r"(\d{1,9})([smhd])")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
-
-
-def parse_since(text: str) -> datetime | timedelta:
-    """``--republish-since``: an ISO 8601 moment with its zone, or an age (``90s``, ``30m``,
-    ``2h``, ``7d``) counted back from the server's clock; UsageError in one line otherwise."""
-    age = _AGE.fullmatch(text.strip())
-    if age:
-        return timedelta(**{_UNITS[age[2]]: int(age[1])})
-    try:
-        moment = datetime.fromisoformat(text.strip())
-    except ValueError:
-        moment = None
-    if moment is None or moment.tzinfo is None:
-        raise UsageError(
-            f"--republish-since {text!r} is neither an ISO 8601 moment with its zone "
-            "(2026-01-05T09:00:00Z, 2026-01-05 10:00+01:00) nor an age (90s, 30m, 2h, 7d)"
-        )
-    return moment
 
 
 @dataclass
