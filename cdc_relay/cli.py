@@ -12,7 +12,7 @@ import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -41,7 +41,7 @@ from cdc_relay.exactly_once import (
     ensure_topic,
 )
 from cdc_relay.exactly_once import transactional_id as eos_id
-from cdc_relay.handover import handover
+from cdc_relay.handover import handover, republish
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
 from cdc_relay.poller import PollRelay, PollSettings
@@ -72,6 +72,28 @@ def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> s
 
 def _cloudevents_source(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
     return None if value is None else cloudevents.check_source(value)
+
+
+def _since(
+    ctx: click.Context, param: click.Parameter, value: str | None
+) -> datetime | timedelta | None:
+    """An age as ``_age`` reads it (--older-than's), or an ISO 8601 moment with its zone."""
+    if value is None:
+        return None
+    try:
+        return _age(ctx, param, value)
+    except click.BadParameter:
+        pass
+    try:
+        moment = datetime.fromisoformat(value.strip())
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise click.BadParameter(
+            f"{value!r} is neither an ISO 8601 moment with its zone (2026-01-05T09:00:00Z, "
+            "2026-01-05 10:00+01:00) nor an age (90s, 30m, 12h, 7d, 2w)"
+        )
+    return moment
 
 
 class Seconds(click.FloatRange):
@@ -413,6 +435,22 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     "snapshot and publish the rows still unprocessed in it; stream takes the rest.",
 )
 @_option(
+    "--republish-since",
+    metavar="TIME",
+    callback=_since,
+    help="Make a lost slot anew (gone after a promotion, or dropped once invalidated): create "
+    "it with an exported snapshot and first publish, with the Kafka options, every row created "
+    "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
+    "the rest.",
+)
+@_option(
+    "--header-column",
+    "header_columns",
+    multiple=True,
+    metavar="COLUMN",
+    help="With --republish-since: send this column as a header, as stream does; repeatable.",
+)
+@_option(
     "--create-table",
     is_flag=True,
     help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
@@ -443,6 +481,8 @@ def setup_slot(
     columns: tuple[str, ...],
     dry_run: bool,
     from_poller: bool,
+    republish_since: datetime | timedelta | None,
+    header_columns: tuple[str, ...],
     create_table: bool,
     failover_slot: bool,
     exactly_once: bool,
@@ -476,6 +516,43 @@ def setup_slot(
         failover=failover_slot,
     )
     spec = specs[0]
+
+    def publishing(bootstrap: str) -> PollSettings:
+        """The settings of a job that publishes rows before it makes the slot."""
+        logs.configure()
+        return PollSettings(
+            dsn=dsn,
+            table=table,
+            kafka_config=producer_config(
+                bootstrap, kafka_settings(kafka_config, kafka_config_file)
+            ),
+            topic_template=topic_template,
+            tombstone_on_empty=tombstone_on_empty_payload,
+            kafka_timeout=kafka_timeout,
+            cloudevents=cloudevents.configure(
+                cloudevents_enabled, cloudevents_source, dsn, table, header_columns
+            ),
+        )
+
+    if header_columns and republish_since is None:
+        raise UsageError(
+            "--header-column is for --republish-since, which publishes what stream would: give "
+            "it there, or leave it out"
+        )
+    if republish_since is not None:
+        if from_poller or failover_slot or shards is not None or dry_run or create_table:
+            raise UsageError(
+                "--republish-since makes one plain slot for one stream relay: leave out "
+                "--from-poller, --failover, --shards, --dry-run and --create-table (set up "
+                "failover or shards once it is made)"
+            )
+        if not kafka_bootstrap:
+            raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
+        settings = publishing(kafka_bootstrap)
+        layout = OutboxLayout.from_options(columns, header_columns)
+        for line in republish(settings, spec, republish_since, layout).lines:
+            click.echo(line)
+        return
     if from_poller and failover_slot:
         raise UsageError(
             "--from-poller creates the slot through the replication protocol: set it up, then "
@@ -492,18 +569,7 @@ def setup_slot(
                 "--from-poller publishes the rows the poller left: give --kafka-bootstrap "
                 "(and not --dry-run)"
             )
-        logs.configure()
-        settings = PollSettings(
-            dsn=dsn,
-            table=table,
-            kafka_config=producer_config(
-                kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file)
-            ),
-            topic_template=topic_template,
-            tombstone_on_empty=tombstone_on_empty_payload,
-            kafka_timeout=kafka_timeout,
-            cloudevents=cloudevents.configure(cloudevents_enabled, cloudevents_source, dsn, table),
-        )
+        settings = publishing(kafka_bootstrap)
         if create_table:
             raise UsageError(
                 "--from-poller takes over from a poller, whose outbox table exists: drop "

@@ -277,9 +277,10 @@ def slot_gone(slot: str, timeline: int | None) -> str | None:
     return (
         f"replication slot {slot!r} does not exist on this server, which is on timeline "
         f"{timeline}: it was promoted from a standby (or restored from a backup) and the slot, "
-        "no failover slot, stayed behind; create it with cdc-relay setup-slot (--failover on "
-        "PostgreSQL 17+) and republish by created_at what was committed since its last "
-        "confirmed position (README: Hot standby and database failover)"
+        "no failover slot, stayed behind; make it anew with cdc-relay setup-slot "
+        "--republish-since TIME, which first publishes again the events created since TIME: the "
+        "time of the old relay's last progress line less its lag and your longest transaction "
+        "(earlier costs only duplicates) (README: Hot standby and database failover)"
     )
 
 
@@ -302,11 +303,12 @@ def slot_invalidated(slot: str, row: Mapping[str, Any]) -> str | None:
         return None
     cause = _INVALIDATION_CAUSES.get(str(reason), f"invalidation_reason {reason}")
     confirmed = row.get("confirmed_flush_lsn")
-    since = f" ({confirmed})" if confirmed else ""
     return (
         f"replication slot {slot!r} was invalidated by PostgreSQL ({reason}: {cause}), so "
         "the changes it had not confirmed may be gone from the WAL and it can never be streamed "
-        "again; drop it (cdc-relay drop-slot), create it again (cdc-relay setup-slot) and "
-        f"republish by created_at what was committed since its last confirmed position{since} "
+        "again; drop it (cdc-relay drop-slot) and make it anew with cdc-relay setup-slot "
+        "--republish-since TIME, which first publishes again the events created since TIME: the "
+        "time of the old relay's last progress line less its lag and your longest transaction "
+        f"(earlier costs only duplicates; the slot had confirmed {confirmed or 'nothing'}) "
         "(README: A slot PostgreSQL gave up on)"
     )

@@ -1,5 +1,11 @@
-"""Handing over from the poller to ``stream`` with no gap and no overlap: publish what the
-poller left in one snapshot, then make the slot at that snapshot (see ``handover``)."""
+"""A slot made where a backlog ends: publish the rows of one snapshot, then make the slot at
+that snapshot, so that ``stream`` takes every transaction after it (``publish_then_slot``).
+
+Two backlogs: the handover from the poller to ``stream`` (the rows left unprocessed, marked
+processed as they go out: no gap and no overlap), and the republish after a slot was lost (the
+rows created since a moment, marked nothing: a stream outbox is never marked). The snapshot
+and the slot's start are one point, so nothing falls between the two in either case.
+"""
 
 from __future__ import annotations
 
@@ -7,15 +13,18 @@ import dataclasses
 import os
 import signal
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from types import FrameType, TracebackType
 from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import class_row
+from psycopg.rows import RowFactory, RowMaker, class_row
 
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
+from cdc_relay.events import OutboxLayout
 from cdc_relay.poller import (
     Outbox,
     OutboxRow,
@@ -31,52 +40,170 @@ from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
 
 @dataclass
 class Handover:
-    """What the handover did, in sentences for the user."""
+    """What the handover or the republish did, in sentences for the user."""
 
     lines: list[str]
 
 
 @dataclass
 class _Progress:
-    """How far a handover went, for the message that says it was undone."""
+    """How far a backlog went, for the message that says it was undone."""
 
-    published: int = 0  # published and marked processed
-    copying: bool = False  # making the slot permanent: done or not, all rows are marked
+    published: int = 0  # published (and, where the backlog marks rows, marked processed)
+    copying: bool = False  # making the slot permanent: done or not, every row is published
+
+
+_ROWS: RowFactory[OutboxRow] = class_row(OutboxRow)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """The rows published before the slot is made, and what the messages call the job."""
+
+    outbox: Outbox
+    query: sql.Composed  # the rows, in seq order, read in the slot's snapshot
+    params: dict[str, Any]
+    mark: bool  # mark each published row processed (the poller's rows)
+    job: str  # "the handover"
+    what: str  # the rows, for the last line: "that were unprocessed at {lsn}"
+    again: str  # what to do once it was undone: "run it again, or start the pollers again"
+    rows: RowFactory[OutboxRow] = _ROWS
+
+    def done(self, published: int) -> str:
+        marked = " and marked processed" if self.mark else ""
+        return f"{published} events were published{marked}"
 
 
 def handover(settings: PollSettings, spec: SlotSpec) -> Handover:
     """Switch from the poller to ``stream`` with no gap and no overlap.
 
-    Creates a temporary slot with an exported snapshot, publishes the rows still unprocessed in
-    that snapshot and marks them processed, then copies the temporary slot to ``spec.slot``:
-    ``stream`` takes every transaction after the snapshot. Throughout, the outbox's advisory
-    lock keeps pollers out. Until the copy nothing can stream the slot, and a failure or a stop
-    at any point before it (a refused row, a lost connection, SIGTERM, Ctrl-C, even SIGKILL)
-    leaves no slot: PostgreSQL drops a temporary slot with its session. What was marked was
-    published, so the pollers can take over again.
+    Publishes the rows still unprocessed in the slot's snapshot and marks them processed
+    (``publish_then_slot``). Throughout, the outbox's advisory lock keeps pollers out. What was
+    marked was published, so the pollers can take over again after a failure.
+    """
+
+    def backlog(guard: psycopg.Connection[dict[str, Any]]) -> Backlog:
+        outbox = _check_handover(guard, settings, spec)
+        return Backlog(
+            outbox,
+            outbox.query("unprocessed"),
+            {},
+            mark=True,
+            job="the handover",
+            what="that were unprocessed at {lsn}",
+            again="run it again, or start the pollers again",
+        )
+
+    return publish_then_slot(settings, spec, backlog)
+
+
+def republish(
+    settings: PollSettings, spec: SlotSpec, since: datetime | timedelta, layout: OutboxLayout
+) -> Handover:
+    """Make ``spec.slot`` anew after it was lost (a promotion without failover slots, an
+    invalidation), publishing first every row created at or after ``since`` (a moment, or an
+    age by the server's clock) that is committed in its snapshot; nothing is marked.
+
+    A row committed before the snapshot is published here if it is recent enough, one committed
+    after it is decoded from the slot: no gap, whatever commits meanwhile. ``since`` must reach
+    back to the oldest transaction the lost slot had not confirmed; what it reaches further back
+    is sent twice, which consumers deduplicate on the id.
+    """
+
+    def backlog(guard: psycopg.Connection[dict[str, Any]]) -> Backlog:
+        outbox, moment, headers = _check_republish(guard, settings, spec, since, layout)
+        columns = {
+            field: sql.Identifier(layout.column(field))
+            for field in ("id", "aggregate_type", "aggregate_id", "event_type")
+        }
+        aliases = [sql.Identifier(f"header_{i}") for i in range(len(headers))]
+        values = [
+            sql.SQL(", ")
+            + sql.SQL(QUERIES["header_value"]).format(column=sql.Identifier(name), alias=alias)
+            for name, alias in zip(headers, aliases, strict=True)
+        ]
+        query = outbox.query(
+            "republish",
+            payload_column=sql.Identifier(layout.payload),
+            header_values=sql.Composed(values),
+            headers=sql.Composed([sql.SQL(", t.") + alias for alias in aliases]),
+            **columns,
+        )
+        return Backlog(
+            outbox,
+            query,
+            {"since": moment},
+            mark=False,
+            job="the republish",
+            what=f"created since {moment.isoformat()} (or without created_at), committed before "
+            "{lsn}",
+            again="run it again",
+            rows=_with_headers(headers),
+        )
+
+    return publish_then_slot(settings, spec, backlog)
+
+
+def _with_headers(names: tuple[str, ...]) -> RowFactory[OutboxRow]:
+    """Rows of a query whose last columns are the values of header columns ``names``: each
+    becomes a header of its column's name, left out when NULL (as ``stream`` does)."""
+
+    def factory(cursor: psycopg.Cursor[Any]) -> RowMaker[OutboxRow]:
+        fields = [column.name for column in cursor.description or ()]
+        own = len(fields) - len(names)
+
+        def make(values: Sequence[Any]) -> OutboxRow:
+            headers = tuple(
+                (name, bytes(value))
+                for name, value in zip(names, values[own:], strict=True)
+                if value is not None
+            )
+            return OutboxRow(**dict(zip(fields[:own], values[:own], strict=True)), headers=headers)
+
+        return make
+
+    return factory
+
+
+def publish_then_slot(
+    settings: PollSettings,
+    spec: SlotSpec,
+    checked: Callable[[psycopg.Connection[dict[str, Any]]], Backlog],
+) -> Handover:
+    """Create a temporary slot with an exported snapshot, publish the backlog ``checked``
+    returns (read in that snapshot; ``checked`` gets the connection that lives as long as
+    the job, checks what the job needs and may hold locks on it), wait for every
+    acknowledgement, then copy the temporary slot to ``spec.slot``: ``stream`` takes every
+    transaction after the snapshot.
+
+    Until the copy nothing can stream the slot, and a failure or a stop at any point before it
+    (a refused row, a lost connection, SIGTERM, Ctrl-C, even SIGKILL) leaves no slot:
+    PostgreSQL drops a temporary slot with its session. What was published stays published:
+    duplicates for consumers at worst when the job is run again.
     """
     progress = _Progress()
     with _Interrupts() as interrupts, connect(settings.dsn) as guard:
-        outbox = _check_handover(guard, settings, spec)
-        spec = dataclasses.replace(spec, table=outbox.qualified)
+        backlog = checked(guard)
+        spec = dataclasses.replace(spec, table=backlog.outbox.qualified)
         report = setup(settings.dsn, spec, create_slot=False)
         lines = [f"exists: {line}" for line in report.existing] + report.done
         publisher = Publisher(settings)
         try:
             publisher.sink.check_reachable(settings.kafka_timeout)
-            lsn = _switch(settings, spec, outbox, publisher, guard, progress, interrupts)
+            lsn = _switch(settings, spec, backlog, publisher, guard, progress, interrupts)
         except (psycopg.Error, KeyboardInterrupt) as exc:
-            raise _undone(exc, spec, progress, interrupts.received) from None
+            raise _undone(exc, spec, backlog, progress, interrupts.received) from None
         except RelayError as exc:
             if progress.copying:  # could not look the slot up
-                raise _undone(exc, spec, progress, None) from None
+                raise _undone(exc, spec, backlog, progress, None) from None
             raise
         finally:
             publisher.sink.close()
     lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
+    marked = " and marked them processed" if backlog.mark else ""
     lines.append(
-        f"published {progress.published} events that were unprocessed at {lsn} and marked "
-        f"them processed; start cdc-relay stream --slot {spec.slot} for everything after it"
+        f"published {progress.published} events {backlog.what.format(lsn=lsn)}{marked}; start "
+        f"cdc-relay stream --slot {spec.slot} for everything after it"
     )
     return Handover(lines)
 
@@ -105,14 +232,7 @@ def _check_handover(
             f"slot {spec.slot} exists already, so it cannot start at the poller's last "
             "row; drop it (cdc-relay drop-slot) or choose another --slot"
         )
-    server = conn.execute(QUERIES["server"]).fetchone() or {}
-    if server["slots_used"] + 2 > server["max_slots"]:
-        raise PreflightError(
-            f"{server['slots_used']} of {server['max_slots']} replication slots are in use; the "
-            "handover needs two for a moment (a temporary one while it publishes, then the "
-            "slot): raise max_replication_slots in postgresql.conf and restart, or drop an "
-            "unused slot"
-        )
+    _check_room(conn, "the handover")
     counts = conn.execute(outbox.query("pending_counts")).fetchone() or {}
     if counts.get("dead_letters"):
         raise PreflightError(
@@ -123,17 +243,78 @@ def _check_handover(
     return outbox
 
 
+def _check_room(conn: psycopg.Connection[dict[str, Any]], job: str) -> None:
+    server = conn.execute(QUERIES["server"]).fetchone() or {}
+    if server["slots_used"] + 2 > server["max_slots"]:
+        raise PreflightError(
+            f"{server['slots_used']} of {server['max_slots']} replication slots are in use; "
+            f"{job} needs two for a moment (a temporary one while it publishes, then the "
+            "slot): raise max_replication_slots in postgresql.conf and restart, or drop an "
+            "unused slot"
+        )
+
+
+def _check_republish(
+    conn: psycopg.Connection[dict[str, Any]],
+    settings: PollSettings,
+    spec: SlotSpec,
+    since: datetime | timedelta,
+    layout: OutboxLayout,
+) -> tuple[Outbox, datetime, tuple[str, ...]]:
+    """Check what the republish needs; the outbox, the moment ``since`` means, and the header
+    columns the table has (one that is not there is left out, as ``stream`` does)."""
+    outbox = resolve(conn, settings.table, layout.payload)
+    if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
+        raise PreflightError(
+            f"slot {spec.slot} exists already, so it cannot start where the republish ends; "
+            "if it was lost (invalidated), drop it first (cdc-relay drop-slot), or choose "
+            "another --slot"
+        )
+    columns = [layout.column(field) for field in ("id", "aggregate_type", "aggregate_id")]
+    columns += [layout.event_type, layout.payload, "seq", "created_at"]
+    found = conn.execute(
+        QUERIES["republish_columns"], {"oid": outbox.table.oid, "columns": columns}
+    )
+    missing = (found.fetchone() or {}).get("missing")
+    if missing:
+        raise PreflightError(
+            f"table {outbox.qualified} has no column {', '.join(missing)}, which "
+            "--republish-since reads (seq for the order, created_at for the age; --column "
+            "maps the others); add them as cdc-relay schema show outbox does"
+        )
+    if not outbox.created_at:
+        raise PreflightError(
+            f"the created_at column of {outbox.qualified} is not a timestamp, so "
+            "--republish-since cannot tell which rows are recent; make it timestamptz"
+        )
+    _check_room(conn, "the republish")
+    found = conn.execute(
+        QUERIES["republish_columns"],
+        {"oid": outbox.table.oid, "columns": list(layout.header_columns)},
+    )
+    absent = set((found.fetchone() or {}).get("missing") or ())
+    headers = tuple(name for name in layout.header_columns if name not in absent)
+    at, age = (since, None) if isinstance(since, datetime) else (None, since)
+    moment = conn.execute(QUERIES["since"], {"at": at, "age": age}).fetchone() or {}
+    if moment["since"] > moment["now"]:
+        raise PreflightError(
+            f"--republish-since {moment['since'].isoformat()} is in the future (the server's "
+            f"clock reads {moment['now'].isoformat()}): it would republish nothing; give a "
+            "moment before the oldest event the lost slot may not have relayed"
+        )
+    return outbox, moment["since"], headers
+
+
 def _switch(
     settings: PollSettings,
     spec: SlotSpec,
-    outbox: Outbox,
+    backlog: Backlog,
     publisher: Publisher,
-    marker: psycopg.Connection[dict[str, Any]],
+    guard: psycopg.Connection[dict[str, Any]],
     progress: _Progress,
     interrupts: _Interrupts,
 ) -> str:
-    """Publish and mark the rows unprocessed as of the slot's start, then make the slot;
-    returns its position."""
+    """Publish the backlog as of the slot's start, then make the slot; returns its position."""
     temporary = f"{spec.slot[:40]}_handover_{os.getpid()}"
     with exported_snapshot(settings.dsn, dataclasses.replace(spec, slot=temporary)) as (
         lsn,
@@ -143,15 +324,15 @@ def _switch(
             reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
             reader.read_only = True
             reader.execute(sql.SQL(QUERIES["set_snapshot"]).format(snapshot=sql.Literal(snapshot)))
-            with reader.cursor(name="cdc_relay_handover") as rows:
-                rows.execute(outbox.query("unprocessed"))
-                _publish_all(settings, outbox, publisher, rows, marker, progress)
-        # Every row is published and marked: the switch is complete once the copy is made, so
+            with reader.cursor(name="cdc_relay_handover", row_factory=backlog.rows) as rows:
+                rows.execute(backlog.query, backlog.params)
+                _publish_all(settings, backlog, publisher, rows, guard, progress)
+        # Every row is published (and marked): the job is complete once the copy is made, so
         # a signal no longer undoes it.
         interrupts.hold()
         progress.copying = True
         try:
-            marker.execute(QUERIES["copy_slot"], {"source": temporary, "slot": spec.slot})
+            guard.execute(QUERIES["copy_slot"], {"source": temporary, "slot": spec.slot})
         except psycopg.OperationalError:
             # The answer was lost, not necessarily the copy.
             if not _slot_exists(settings.dsn, spec.slot):
@@ -166,51 +347,57 @@ def _slot_exists(dsn: str, slot: str) -> bool:
 
 def _publish_all(
     settings: PollSettings,
-    outbox: Outbox,
+    backlog: Backlog,
     publisher: Publisher,
     rows: psycopg.ServerCursor[OutboxRow],
     marker: psycopg.Connection[dict[str, Any]],
     progress: _Progress,
 ) -> None:
-    """Publish every row of the cursor, batch by batch, marking each batch processed."""
-    mark = outbox.query("mark_processed")
+    """Publish every row of the cursor, batch by batch, each batch acknowledged (and marked
+    processed, if the backlog marks) before the next is read."""
+    mark = backlog.outbox.query("mark_processed")
     while batch := rows.fetchmany(settings.batch_size):
-        outbox.check_payload(batch)
+        backlog.outbox.check_payload(batch)
         publisher.publish(batch, lambda: False)
         acked = [batch[i].id for i in sorted(publisher.acked)]
-        if acked:
+        if acked and backlog.mark:
             marker.execute(mark, {"ids": acked})
-            progress.published += len(acked)
+        progress.published += len(acked)
         if publisher.refused:
             index, error = next(iter(publisher.refused.items()))
             raise DeliveryError(
                 f"Kafka refused event {batch[index].id} ({batch[index].event_type}, "
-                f"aggregate {batch[index].aggregate_id}): {error}; the handover was undone "
-                f"(no slot was created; {progress.published} events were published and "
-                "marked processed): fix the cause and run it again, or start the pollers again"
+                f"aggregate {batch[index].aggregate_id}): {error}; {backlog.job} was undone "
+                f"(no slot was created; {backlog.done(progress.published)}): fix the cause and "
+                f"{backlog.again}"
             )
 
 
 def _undone(
-    exc: BaseException, spec: SlotSpec, progress: _Progress, signal_name: str | None
+    exc: BaseException,
+    spec: SlotSpec,
+    backlog: Backlog,
+    progress: _Progress,
+    signal_name: str | None,
 ) -> RelayError:
-    """The one-line error of a handover that stopped before its end."""
+    """The one-line error of a job that stopped before its end."""
     if isinstance(exc, KeyboardInterrupt):
         cause = f"it was interrupted ({signal_name or 'SIGINT'})"
     elif isinstance(exc, psycopg.Error):
         cause = f"PostgreSQL failed: {first_line(exc)}"
     else:
         cause = first_line(exc)
-    done = f"{progress.published} events were published and marked processed"
+    done = backlog.done(progress.published)
     if progress.copying:
+        otherwise = "start the pollers again" if backlog.mark else f"{backlog.again}"
         return RelayError(
-            f"the handover stopped while it created slot {spec.slot}: {cause}; {done} (all of "
+            f"{backlog.job} stopped while it created slot {spec.slot}: {cause}; {done} (all of "
             f"them); if cdc-relay status shows slot {spec.slot}, start cdc-relay stream, "
-            "otherwise start the pollers again"
+            f"otherwise {otherwise}"
         )
     return RelayError(
-        f"the handover stopped before it finished: {cause}; it was undone (no slot was "
-        f"created; {done}): run it again, or start the pollers again"
+        f"{backlog.job} stopped before it finished: {cause}; it was undone (no slot was "
+        f"created; {done}): {backlog.again}"
     )
 
 

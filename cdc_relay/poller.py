@@ -98,6 +98,7 @@ class OutboxRow:
     attempts: int
     created_at: str | None = None  # ISO 8601 (to_jsonb), when the table has the column
     payload_kind: PayloadKind = "json"
+    headers: tuple[tuple[str, bytes], ...] = ()  # --header-column values (a republish's)
 
     @property
     def aggregate(self) -> tuple[str, str]:
@@ -113,6 +114,7 @@ class OutboxRow:
             commit_lsn=0,
             xid=0,
             commit_time_us=0,
+            headers=self.headers,
             created_at=None if self.created_at is None else self.created_at.encode(),
             payload_kind=self.payload_kind,
         )
@@ -150,16 +152,17 @@ class Outbox:
         """The parameters of the table's advisory lock (poll_lock, handover_lock, pollers)."""
         return {"lock_class": LOCK_CLASS, "table": self.table.oid}
 
-    def query(self, name: str) -> sql.Composed:
-        """A named query on this table. The payload expression is chosen here, once: a bytea
-        payload goes out as the bytes stored, any other type as its text (the bytes pgoutput
-        sends, so both relays publish the same value)."""
+    def query(self, name: str, **more: sql.Composable) -> sql.Composed:
+        """A named query on this table (``more`` fills its other placeholders). The payload
+        expression is chosen here, once: a bytea payload goes out as the bytes stored, any other
+        type as its text (the bytes pgoutput sends, so both relays publish the same value)."""
         payload = QUERIES["payload_bytes" if self.payload_bytea else "payload_text"]
         return sql.SQL(QUERIES[name]).format(
             table=sql.Identifier(self.table.schema, self.table.name),
             payload=sql.SQL(payload),
             created_at=sql.SQL(QUERIES["created_at_text" if self.created_at else "no_created_at"]),
             payload_kind=sql.Literal(payload_kind(self.payload_type, self.payload_bytea)),
+            **more,
         )
 
     def check_payload(self, rows: Sequence[OutboxRow]) -> None:
@@ -173,8 +176,11 @@ class Outbox:
             )
 
 
-def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
-    """The outbox table ``table`` names; PreflightError if there is none."""
+def resolve(
+    conn: psycopg.Connection[dict[str, Any]], table: str, payload_column: str = "payload"
+) -> Outbox:
+    """The outbox table ``table`` names, its payload in ``payload_column``; PreflightError if
+    there is none."""
     try:
         found = find_table(conn, table)
     except psycopg.OperationalError:
@@ -188,7 +194,12 @@ def resolve(conn: psycopg.Connection[dict[str, Any]], table: str) -> Outbox:
             f"table {table} does not exist; create it with cdc-relay schema apply outbox, "
             "or name yours with --table"
         )
-    payload = conn.execute(QUERIES["poll_payload"], {"oid": found.oid}).fetchone() or {}
+    payload = (
+        conn.execute(
+            QUERIES["poll_payload"], {"oid": found.oid, "payload": payload_column}
+        ).fetchone()
+        or {}
+    )
     return Outbox(
         found,
         payload.get("payload_type"),

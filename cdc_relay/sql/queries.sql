@@ -422,6 +422,41 @@ FROM {table} AS t
 WHERE t.processed_at IS NULL
 ORDER BY t.seq
 
+-- republish --
+-- Every row created at or after `since`, and every one whose created_at is NULL (its age is
+-- unknown: sent rather than risked), oldest first, as of the transaction's snapshot. The inner
+-- SELECT names the columns of --column as the fields ({id}, ...: identifiers), and reads the
+-- --header-column values ({header_values}: header_value, each after a comma) that the outer
+-- one passes on ({headers}); a table without the poller's columns has no attempts.
+-- {payload}, {created_at} and {payload_kind} as in claim
+SELECT t.id, t.aggregate_type, t.aggregate_id, t.event_type,
+       {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, 0 AS attempts,
+       {created_at} AS created_at, {payload_kind} AS payload_kind{headers}
+FROM (SELECT s.{id}::text AS id, s.{aggregate_type}::text AS aggregate_type,
+             s.{aggregate_id}::text AS aggregate_id, s.{event_type}::text AS event_type,
+             s.{payload_column} AS payload, s.created_at, s.seq{header_values}
+      FROM {table} AS s) AS t
+WHERE t.created_at >= %(since)s::timestamptz OR t.created_at IS NULL
+ORDER BY t.seq
+
+-- header_value --
+-- A --header-column of a republish: its text in the database's encoding, the bytes pgoutput
+-- sends (NULL: no header)
+convert_to(s.{column}::text, getdatabaseencoding()) AS {alias}
+
+-- republish_columns --
+-- Which of the columns the republish reads the outbox table lacks
+SELECT array(
+    SELECT unnest(%(columns)s::text[])
+    EXCEPT
+    SELECT attname::text FROM pg_attribute
+    WHERE attrelid = %(oid)s::oid AND attnum > 0 AND NOT attisdropped
+) AS missing
+
+-- since --
+-- The moment a --republish-since age (an interval) points at, and now, by the server's clock
+SELECT coalesce(%(at)s::timestamptz, now() - %(age)s::interval) AS since, now() AS now
+
 -- claim_event --
 -- Record that a consumer handles an event; no row back when it was handled before
 INSERT INTO processed_events (consumer, event_id)
@@ -432,13 +467,14 @@ RETURNING event_id
 -- The polling relay's payload expression, its advisory lock, the handover's slot.
 
 -- poll_payload --
--- The payload column of the outbox table: its declared type, and whether that is bytea or a
--- domain over it (the poller chooses payload_bytes or payload_text by it, once); and the
--- declared type of its created_at column, if it has one
+-- The payload column of the outbox table (named `payload` but where --column maps it): its
+-- declared type, and whether that is bytea or a domain over it (the poller chooses
+-- payload_bytes or payload_text by it, once); and the declared type of its created_at column,
+-- if it has one
 WITH RECURSIVE payload (declared, type) AS (
     SELECT a.atttypid, a.atttypid
     FROM pg_attribute a
-    WHERE a.attrelid = %(oid)s::oid AND a.attname = 'payload' AND NOT a.attisdropped
+    WHERE a.attrelid = %(oid)s::oid AND a.attname = %(payload)s AND NOT a.attisdropped
   UNION ALL
     SELECT p.declared, t.typbasetype
     FROM payload p JOIN pg_type t ON t.oid = p.type

@@ -304,9 +304,10 @@ def test_a_slot_without_failover_is_gone_after_a_promotion_and_stream_and_status
     gone = (
         f"replication slot '{names.slot}' does not exist on this server, which is on timeline "
         "2: it was promoted from a standby (or restored from a backup) and the slot, no "
-        "failover slot, stayed behind; create it with cdc-relay setup-slot (--failover on "
-        "PostgreSQL 17+) and republish by created_at what was committed since its last "
-        "confirmed position (README: Hot standby and database failover)"
+        "failover slot, stayed behind; make it anew with cdc-relay setup-slot "
+        "--republish-since TIME, which first publishes again the events created since TIME: the "
+        "time of the old relay's last progress line less its lag and your longest transaction "
+        "(earlier costs only duplicates) (README: Hot standby and database failover)"
     )
     for run in (1, 2):
         log = (tmp_path / f"relay-{run}.log").read_text()

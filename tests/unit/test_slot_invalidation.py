@@ -30,8 +30,10 @@ def test_each_reason_is_named_with_its_setting_and_the_remedy_in_one_line(
     assert "\n" not in text
     assert text.startswith(f"replication slot 's' was invalidated by PostgreSQL ({reason}: ")
     assert cause in text
-    assert "drop it (cdc-relay drop-slot), create it again (cdc-relay setup-slot)" in text
-    assert "since its last confirmed position (0/1)" in text
+    assert "drop it (cdc-relay drop-slot) and make it anew with cdc-relay setup-slot " in text
+    assert "--republish-since TIME" in text
+    assert "less its lag and your longest transaction" in text
+    assert "the slot had confirmed 0/1)" in text
 
 
 def test_the_gauges_follow_the_slot_row() -> None:
