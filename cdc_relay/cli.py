@@ -534,6 +534,15 @@ def setup_slot(
             ),
         )
 
+    if exactly_once and kafka_bootstrap:
+        # First, whatever the slot's way of being made: the topic does not depend on it.
+        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
+        if dry_run:
+            click.echo(f"-- the checkpoint topic {checkpoint_topic}, if it does not exist")
+        elif ensure_topic(kafka, checkpoint_topic, kafka_timeout):
+            click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
+        else:
+            click.echo(f"exists: checkpoint topic {checkpoint_topic}")
     if header_columns and republish_since is None:
         raise UsageError(
             "--header-column is for --republish-since, which publishes what stream would: give "
@@ -588,14 +597,6 @@ def setup_slot(
             click.echo(f"exists: {line}")
         for line in report.done:
             click.echo(line)
-    if exactly_once and kafka_bootstrap:
-        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
-        if dry_run:
-            click.echo(f"-- and the checkpoint topic {checkpoint_topic} if it does not exist")
-        elif ensure_topic(kafka, checkpoint_topic, kafka_timeout):
-            click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
-        else:
-            click.echo(f"exists: checkpoint topic {checkpoint_topic}")
     if failover_slot and not dry_run:
         # with --shards the settings' lines repeat for every slot: shown once
         findings = list(
