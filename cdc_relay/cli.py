@@ -136,6 +136,15 @@ _TABLE = _option(
     show_default=True,
     help="The outbox table, optionally schema-qualified.",
 )
+_TABLES = _option(
+    "--table",
+    "tables",
+    multiple=True,
+    default=(DEFAULT_TABLE,),
+    show_default=True,
+    help="An outbox table, optionally schema-qualified; repeatable: every table in one "
+    "publication and slot (CDC_RELAY_TABLE: names separated by spaces).",
+)
 
 
 _COLUMNS = _option(
@@ -174,9 +183,9 @@ def _specs(
     return [spec] if count is None else [spec.sharded(shard) for shard in every_shard(count)]
 
 
-def database_options(func: F) -> F:
-    for decorate in reversed(
-        [
+def _database_options(table: Callable[[Any], Any]) -> Callable[[F], F]:
+    def decorate(func: F) -> F:
+        options: list[Callable[[Any], Any]] = [
             _DSN,
             _option("--slot", default=DEFAULT_SLOT, show_default=True, help="Replication slot."),
             _option(
@@ -185,11 +194,19 @@ def database_options(func: F) -> F:
                 show_default=True,
                 help="Publication on the outbox table.",
             ),
-            _TABLE,
+            table,
         ]
-    ):
-        func = decorate(func)
-    return func
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+database_options = _database_options(_TABLE)
+"""DSN, slot, publication and one outbox table."""
+several_tables_options = _database_options(_TABLES)
+"""The same with --table repeatable (setup-slot, stream)."""
 
 
 def outbox_options(func: F) -> F:
@@ -415,7 +432,7 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
 
 
 @cli.command("setup-slot")
-@database_options
+@several_tables_options
 @_option(
     "--plugin",
     type=click.Choice(["pgoutput", "wal2json"]),
@@ -475,7 +492,7 @@ def setup_slot(
     dsn: str,
     slot: str,
     publication: str,
-    table: str,
+    tables: tuple[str, ...],
     plugin: str,
     shards: int | None,
     columns: tuple[str, ...],
@@ -501,16 +518,19 @@ def setup_slot(
     Safe to run again: what exists already is reported and left as it is. With
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
     --shards N, one slot and publication per shard. With --create-table, a missing outbox
-    table is created first. With --exactly-once, the checkpoint topic too.
+    table is created first. With --exactly-once, the checkpoint topic too. With --table given
+    more than once, one publication holds every table.
     """
     if exactly_once and not kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
+    table, *more_tables = tables
     specs = _specs(
         slot,
         publication,
         table,
         shards,
+        more_tables=tuple(more_tables),
         plugin=plugin,
         aggregate_column=aggregate_column,
         failover=failover_slot,
@@ -557,6 +577,11 @@ def setup_slot(
         raise UsageError(
             "--from-poller creates the slot through the replication protocol: set it up, then "
             "run setup-slot --failover again, which reports how to make the slot fail over"
+        )
+    if from_poller and more_tables:
+        raise UsageError(
+            "--from-poller takes over from a poller, which relays one outbox table: give "
+            "--table once"
         )
     if from_poller and shards is not None:
         raise UsageError(
@@ -965,7 +990,7 @@ def _count(value: int | None) -> str:
 
 
 @cli.command("stream")
-@database_options
+@several_tables_options
 @relay_options
 @_option(
     "--status-interval",
@@ -1044,7 +1069,7 @@ def stream(
     dsn: str,
     slot: str,
     publication: str,
-    table: str,
+    tables: tuple[str, ...],
     status_interval: float,
     columns: tuple[str, ...],
     shard: Shard | None,
@@ -1060,15 +1085,21 @@ def stream(
 ) -> None:
     """Stream the slot to Kafka; confirm positions only after Kafka acknowledged them.
 
-    Stops cleanly on SIGTERM or Ctrl-C: waits for acks, confirms, exits 0.
+    Stops cleanly on SIGTERM or Ctrl-C: waits for acks, confirms, exits 0. With --table given
+    more than once, relays every table's rows (each table's aggregates in commit order).
     """
+    if len(tables) > 1 and relay.cloudevents_enabled and relay.cloudevents_source is None:
+        raise UsageError(
+            "--cloudevents names one outbox table in its default ce_source; with several "
+            "--table give --cloudevents-source"
+        )
     health = relay.start()
     slot = shard.name(slot) if shard else slot
     settings = StreamSettings(
-        **relay.settings(dsn, table, header_columns).shared(),
+        **relay.settings(dsn, tables[0], header_columns).shared(),
         slot=slot,
         publication=shard.name(publication) if shard else publication,
-        table=table,
+        tables=tables,
         status_interval=status_interval,
         layout=OutboxLayout.from_options(columns, header_columns),
         message_prefix=message_prefix,

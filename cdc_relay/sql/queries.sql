@@ -40,10 +40,10 @@ FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
 -- create_publication --
--- Publish only inserts of the outbox table: deletes by a cleaning job are not events. Rows of
+-- Publish only inserts of the outbox tables: deletes by a cleaning job are not events. Rows of
 -- a partitioned outbox are published as the root's, so the relay knows them whatever partition
--- holds them, partitions attached later included.
-CREATE PUBLICATION {publication} FOR TABLE {table}
+-- holds them, partitions attached later included. {tables}: one outbox table, or several.
+CREATE PUBLICATION {publication} FOR TABLE {tables}
     WITH (publish = 'insert', publish_via_partition_root = true)
 
 -- outbox_table --
@@ -81,8 +81,9 @@ FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
 WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 
 -- create_shard_publication --
--- A shard's publication: create_publication's, with the shard's row filter
-CREATE PUBLICATION {publication} FOR TABLE {table} WHERE ({filter})
+-- A shard's publication: create_publication's, with the shard's row filter on each table
+-- ({tables}: `table WHERE (filter)`, one or several)
+CREATE PUBLICATION {publication} FOR TABLE {tables}
     WITH (publish = 'insert', publish_via_partition_root = true)
 
 -- emit_cut --
