@@ -290,8 +290,9 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
                     default=DEFAULT_TOPIC_TEMPLATE,
                     show_default=True,
                     callback=_topic_template,
-                    help="Topic of each event; may use {aggregate_type} and {event_type}, as "
-                    "they are (no conversion or format spec), and {{ }} for braces.",
+                    help="Topic of each event; may use {aggregate_type} and {event_type} (stream "
+                    "also {schema} and {table}, of the event's outbox table), as they are (no "
+                    "conversion or format spec), and {{ }} for braces.",
                 ),
                 _option(
                     "--tombstone-on-empty-payload",

@@ -68,6 +68,24 @@ def table_fields(template: str) -> frozenset[str]:
     return frozenset(name for _, name, _, _ in _fields(template) if name in TABLE_FIELDS)
 
 
+def fill_table(template: str, schema: str, table: str) -> str:
+    """``template`` with ``{schema}`` and ``{table}`` filled in, the other fields left as they
+    are: for a tool that knows the one outbox table (trace)."""
+    out = []
+    for text, name, spec, conversion in _fields(template):
+        out.append(_braces(text))
+        if name in TABLE_FIELDS:
+            out.append(_braces(schema if name == "schema" else table))
+        elif name is not None:
+            field = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            out.append("{" + field + "}")
+    return "".join(out)
+
+
+def _braces(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 def check_template(template: str) -> str:
     """``template`` if every topic it makes can be legal; a UsageError saying why not otherwise.
 

@@ -398,6 +398,23 @@ def test_status_and_prune_work_on_each_table_of_the_slot(
             assert shown.returncode == 0, shown
             state = json.loads(shown.stdout)
             assert (state["confirmed_rows"], state["unconfirmed_rows"]) == (count, 0), state
+        # trace finds an event of the second table on its tenant's topic.
+        traced = cli(
+            "trace",
+            ids[1],
+            "--json",
+            *base,
+            "--table",
+            TABLES[1],
+            "--kafka-bootstrap",
+            kafka_service.bootstrap,
+            "--topic-template",
+            names.topic_prefix + ".{schema}.{aggregate_type}",
+        )
+        assert traced.returncode == 0, traced
+        found = json.loads(traced.stdout)
+        assert found["on_kafka"] is True, found
+        assert found["kafka"]["topic"] == f"{names.topic_prefix}.tenant_b.order", found
         pruned = cli(
             "prune",
             "--dsn",

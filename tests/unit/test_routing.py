@@ -8,7 +8,7 @@ from capture import pgoutput_messages
 from cdc_relay import pgoutput
 from cdc_relay.errors import UsageError
 from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper, SchemaError
-from cdc_relay.routing import Router, check_template, legal_topic
+from cdc_relay.routing import Router, check_template, fill_table, legal_topic
 
 
 def captured_event() -> OutboxEvent:
@@ -188,3 +188,11 @@ def test_a_message_event_cannot_be_routed_by_table() -> None:
 def test_table_fields_take_no_conversion_or_spec(template: str) -> None:
     with pytest.raises(UsageError, match=r"\{schema\} and \{table\}"):
         check_template(template)
+
+
+def test_fill_table_names_the_one_table_and_leaves_the_other_fields() -> None:
+    assert fill_table("{{x}}.{schema}.{table}.{aggregate_type}", "a{b}", "t") == (
+        "{{x}}.a{{b}}.t.{aggregate_type}"
+    )
+    template = fill_table("{schema}.{aggregate_type}", "tenant_b", "outbox_events")
+    assert Router(template).route(captured_event()).topic == "tenant_b.order"
