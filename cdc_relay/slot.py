@@ -115,6 +115,24 @@ def coverage_problem(
     return None
 
 
+def besides_problem(
+    conn: psycopg.Connection[dict[str, Any]], publication: str, tables: Sequence[OutboxTable]
+) -> str | None:
+    """For a wal2json slot, which selects rows by the names of ``tables``: why the rows of
+    a table ``publication`` publishes besides them (setup-slot lists a slot's outbox tables
+    there) would be skipped, with the remedy; None when there is none (or no publication)."""
+    row = _one(conn, "published_besides", publication=publication, oids=[t.oid for t in tables])
+    others = row.get("tables")
+    if not others:
+        return None
+    return (
+        f"publication {publication} publishes {', '.join(others)} beside the outbox "
+        f"table{'s' if len(tables) > 1 else ''} the wal2json slot selects by --table, so rows "
+        f"of {others[0]} would be skipped: restart with --table {others[0]} added, or drop "
+        f"it from the publication (ALTER PUBLICATION {publication} DROP TABLE {others[0]})"
+    )
+
+
 def _bare(expression: str) -> str:
     """A row filter without what printing it adds or drops: quotes, parentheses, spaces,
     casts to text."""

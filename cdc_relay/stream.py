@@ -74,6 +74,7 @@ from cdc_relay.sink import KafkaSink
 from cdc_relay.slot import (
     PLUGINS,
     OutboxTable,
+    besides_problem,
     check_encoding,
     connect,
     coverage_problem,
@@ -306,6 +307,7 @@ class StreamRelay:
             publication,
             shard=self.settings.shard,
             aggregate_column=self.settings.layout.aggregate_id,
+            listing=self.settings.publication if publication is None else None,
         )
         self._watcher = watcher.start()
         shard = self.settings.shard
@@ -455,8 +457,9 @@ class StreamRelay:
             raise RelayError(
                 f"a row of table {name} arrived: publication {self.settings.publication} "
                 f"publishes it beside the outbox {_tables(self._tables)}, and cdc-relay "
-                f"relays the outbox only. Remove it (ALTER PUBLICATION "
-                f"{self.settings.publication} DROP TABLE {name}) and restart with "
+                f"relays the outbox only. If it is an outbox too, restart with --table {name} "
+                "added (nothing from its first row on was confirmed); if not, remove it (ALTER "
+                f"PUBLICATION {self.settings.publication} DROP TABLE {name}) and restart with "
                 "--ignore-other-tables to pass its rows already written, or give it its own "
                 "publication"
             )
@@ -821,6 +824,10 @@ class StreamRelay:
                         f"{table.qualified} is partitioned, and wal2json names each row by its "
                         "partition; use a pgoutput slot (cdc-relay setup-slot --plugin pgoutput)"
                     )
+            if slot["plugin"] == "wal2json":
+                problem = besides_problem(conn, settings.publication, tables)
+                if problem:
+                    raise PreflightError(problem)
             if settings.shard is not None:
                 self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             if self.dead_letters is not None:

@@ -22,7 +22,7 @@ from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
 from cdc_relay.queries import QUERIES
 from cdc_relay.shards import Shard
-from cdc_relay.slot import OutboxTable, coverage_problem, table_by_oid
+from cdc_relay.slot import OutboxTable, besides_problem, coverage_problem, table_by_oid
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,7 @@ class Watcher:
         wal_interval: float = 10.0,
         shard: Shard | None = None,
         aggregate_column: str = "aggregate_id",
+        listing: str | None = None,
     ) -> None:
         self._dsn = dsn
         self._slot = slot
@@ -49,6 +50,9 @@ class Watcher:
         self._publication = publication
         self._shard = shard  # whose row filter the publication must keep
         self._aggregate_column = aggregate_column
+        # wal2json: the publication that lists the outbox tables; one more there is a table
+        # whose rows the slot skips (it selects rows by the names of ours).
+        self._listing = listing
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0
@@ -139,6 +143,11 @@ class Watcher:
             self.problem = self._table_problem(conn, table, index)
             if self.problem is not None:
                 return  # the tables checked so far may be fine: verified stays where it was
+        if self._listing is not None:
+            self.problem = besides_problem(conn, self._listing, self.tables)
+            if self.problem is not None:
+                self.problem = "while streaming, " + self.problem
+                return
         self.verified = max(self.verified, lsn)
         if wal:
             slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()

@@ -80,6 +80,17 @@ SELECT pg_get_expr(g.qual, g.relid) AS filter
 FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
 WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 
+-- published_besides --
+-- The tables the publication publishes besides the given ones (a wal2json slot's outbox
+-- tables, which it selects by name): empty when there are none, or no such publication
+SELECT array(SELECT format('%%I.%%I', n.nspname, c.relname)
+             FROM pg_publication p,
+                  pg_get_publication_tables(p.pubname::text) AS g
+                  JOIN pg_class c ON c.oid = g.relid
+                  JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE p.pubname = %(publication)s AND g.relid <> ALL(%(oids)s::oid[])
+             ORDER BY 1) AS tables
+
 -- create_shard_publication --
 -- A shard's publication: create_publication's, with the shard's row filter on each table
 -- ({tables}: `table WHERE (filter)`, one or several)

@@ -217,6 +217,47 @@ def test_a_table_dropped_from_the_publication_stops_the_relay_before_the_slot_pa
     assert f"ADD TABLE {TABLES[1]}" in shown.stderr
 
 
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+def test_a_table_added_to_the_publication_while_streaming_is_relayed_once_named(
+    tmp_path: Path, empty_db: str, kafka_service: Any, names: Any, plugin: str
+) -> None:
+    """A new tenant's outbox added to the publication: pgoutput stops at its first row,
+    wal2json (which selects rows by --table) when the watcher sees it published; neither
+    confirms past its rows, so a restart with --table naming it relays them."""
+    _tenants(empty_db, *TENANTS, "tenant_c")
+    _setup(empty_db, names, "--plugin", plugin)
+    relay = _relay(tmp_path, empty_db, kafka_service, names).start()
+    try:
+        first, _ = _insert(empty_db, TABLES[0], "a")
+        assert list(_topics(kafka_service, names, 1)) == [first]
+        _sql(empty_db, f"ALTER PUBLICATION {names.publication} ADD TABLE tenant_c.outbox_events")
+        new, _ = _insert(empty_db, "tenant_c.outbox_events", "a")
+        after, _ = _insert(empty_db, TABLES[1], "a")
+        _stopped_with(
+            relay,
+            "--table tenant_c.outbox_events added"
+            if plugin == "pgoutput"
+            else f"publication {names.publication} publishes tenant_c.outbox_events beside",
+        )
+    finally:
+        relay.close()
+    again = _relay(
+        tmp_path,
+        empty_db,
+        kafka_service,
+        names,
+        name="again",
+        table=" ".join((*TABLES, "tenant_c.outbox_events")),
+    ).start()
+    try:
+        topics = _topics(kafka_service, names, 3)
+        assert topics[new] == f"{names.topic_prefix}.tenant_c.order"
+        assert topics[after] == f"{names.topic_prefix}.tenant_b.order"
+        assert again.stop() == 0, again.log()
+    finally:
+        again.close()
+
+
 def test_a_wal2json_slot_stops_when_one_of_its_tables_is_renamed(
     tmp_path: Path, empty_db: str, kafka_service: Any, names: Any
 ) -> None:
