@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import re
 import signal
 import sys
 import uuid
@@ -130,10 +131,23 @@ _DSN = _option(
     help="libpq connection string or URI of the database with the outbox. Give "
     "the password through PGPASSWORD or a .pgpass file, not here.",
 )
+
+
+def _one_table(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    # Space outside double quotes: several tables, as CDC_RELAY_TABLE holds for stream.
+    if re.search(r"\s", re.sub(r'"(?:[^"]|"")*"', "", value)):
+        raise click.BadParameter(
+            f"{value!r} names several tables; this command takes one (setup-slot and stream "
+            "take several, e.g. from CDC_RELAY_TABLE): give it --table"
+        )
+    return value
+
+
 _TABLE = _option(
     "--table",
     default=DEFAULT_TABLE,
     show_default=True,
+    callback=_one_table,
     help="The outbox table, optionally schema-qualified.",
 )
 _TABLES = _option(
