@@ -535,3 +535,25 @@ def test_two_shards_of_two_tables_relay_each_event_once(
     finally:
         for relay in relays:
             relay.close()
+
+
+def test_setup_slot_creates_each_missing_table_and_dry_run_creates_none(
+    empty_db: str, names: Any
+) -> None:
+    _sql(empty_db, *(f"CREATE SCHEMA {tenant}" for tenant in TENANTS))
+    base = ["--dsn", empty_db, "--slot", names.slot, "--publication", names.publication]
+    tables = [arg for table in TABLES for arg in ("--table", table)]
+    dry = cli("setup-slot", *base, *tables, "--create-table", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.count("-- cdc-relay schema apply outbox, in schema") == 2, dry.stdout
+    assert f"FOR TABLE {', '.join(TABLES)}" in dry.stdout, dry.stdout
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        assert conn.execute("SELECT to_regclass(%s), to_regclass(%s)", TABLES).fetchone() == (
+            None,
+            None,
+        )
+    done = cli("setup-slot", *base, *tables, "--create-table")
+    assert done.returncode == 0, done.stderr
+    for table in TABLES:
+        assert f"created table {table}" in done.stdout
+    assert f"created publication {names.publication} on {', '.join(TABLES)}" in done.stdout
