@@ -53,6 +53,8 @@ class Watcher:
         # wal2json: the publication that lists the outbox tables; one more there is a table
         # whose rows the slot skips (it selects rows by the names of ours).
         self._listing = listing
+        # table OID -> its publication entry as first seen (publication_entry in queries.sql)
+        self._entries: dict[int, tuple[Any, Any]] = {}
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0
@@ -193,4 +195,25 @@ class Watcher:
                     "; rows written since were not decoded: republish them after the fix, "
                     "then restart the relay"
                 )
+            else:
+                problem = self._entry_problem(conn, self._publication, table)
         return problem
+
+    def _entry_problem(
+        self, conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
+    ) -> str | None:
+        """Why ``table``, published now, may have been out of ``publication`` since the last
+        check: its entry there (or the publication) was made again in between."""
+        row = conn.execute(
+            QUERIES["publication_entry"], {"publication": publication, "oid": table.oid}
+        ).fetchone()
+        entry = (row["publication"], row["entry"]) if row else (None, None)
+        first = self._entries.setdefault(table.oid, entry)
+        if entry == first:
+            return None
+        return (
+            f"publication {publication} stopped publishing {table.qualified} and published it "
+            "again (the table was dropped from it and added back, or the publication made "
+            f"again), so rows written to {table.qualified} in between were not decoded: "
+            "republish them, then restart the relay"
+        )

@@ -80,6 +80,16 @@ SELECT pg_get_expr(g.qual, g.relid) AS filter
 FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
 WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 
+-- publication_entry --
+-- What makes the publication publish the table, as catalog row OIDs: the publication's and the
+-- table's own entry in it (none for FOR ALL TABLES or FOR TABLES IN SCHEMA). A table dropped
+-- from the publication and added again has a new entry: the inserts between were not decoded
+SELECT p.oid::bigint AS publication,
+       (SELECT r.oid::bigint FROM pg_publication_rel r
+        WHERE r.prpubid = p.oid AND r.prrelid = %(oid)s::oid) AS entry
+FROM pg_publication p
+WHERE p.pubname = %(publication)s
+
 -- published_besides --
 -- The tables the publication publishes besides the given ones (a wal2json slot's outbox
 -- tables, which it selects by name): empty when there are none, or no such publication

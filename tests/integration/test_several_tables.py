@@ -221,6 +221,33 @@ def test_a_table_dropped_from_the_publication_stops_the_relay_before_the_slot_pa
     assert f"ADD TABLE {TABLES[1]}" in shown.stderr
 
 
+def test_a_table_dropped_from_the_publication_and_added_back_at_once_stops_the_relay(
+    tmp_path: Path, empty_db: str, kafka_service: Any, names: Any
+) -> None:
+    """Faster than the watcher looks (every second): the table is published at every look,
+    but the row written in between was never decoded; its entry in the publication is new."""
+    _tenants(empty_db, *TENANTS)
+    _setup(empty_db, names)
+    relay = _relay(tmp_path, empty_db, kafka_service, names).start()
+    try:
+        first, _ = _insert(empty_db, TABLES[1], "a")
+        assert list(_topics(kafka_service, names, 1)) == [first]
+        before = _wal_lsn(empty_db)
+        with psycopg.connect(empty_db, autocommit=True) as conn:
+            conn.execute(f"ALTER PUBLICATION {names.publication} DROP TABLE {TABLES[1]}")  # type: ignore[arg-type]
+            conn.execute(
+                f"INSERT INTO {TABLES[1]} (aggregate_type, aggregate_id, event_type, payload) "  # type: ignore[arg-type]  # noqa: S608 - test names
+                "VALUES ('order', 'a', 'order.noted', '{}')"
+            )
+            conn.execute(f"ALTER PUBLICATION {names.publication} ADD TABLE {TABLES[1]}")  # type: ignore[arg-type]
+        _insert(empty_db, TABLES[0], "a")
+        last = _stopped_with(relay, f"{TABLES[1]}")
+        assert "were not decoded" in last, last
+    finally:
+        relay.close()
+    assert parse_lsn(str(slot_row(empty_db, names.slot)["confirmed"])) <= before
+
+
 @pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
 def test_a_table_added_to_the_publication_while_streaming_is_relayed_once_named(
     tmp_path: Path, empty_db: str, kafka_service: Any, names: Any, plugin: str
