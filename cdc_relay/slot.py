@@ -503,6 +503,16 @@ def relay_problem(
             f"{table.qualified} is partitioned, and wal2json names each row by its partition, "
             f"so slot {slot} relays none of them; use a pgoutput slot"
         )
+    # wal2json selects rows by the tables stream is given; setup-slot lists them in the
+    # publication, and stream refuses to run without one listed there.
+    row = _one(conn, "coverage", publication=publication, oid=table.oid)
+    if row and not row["covered"]:
+        return (
+            f"publication {publication}, which lists the tables the relay of wal2json slot "
+            f"{slot} selects, does not list {table.qualified}, so the slot relays none of its "
+            f"rows; if it should, run ALTER PUBLICATION {publication} ADD TABLE "
+            f"{table.qualified} and give stream --table {table.qualified} too"
+        )
     return None
 
 

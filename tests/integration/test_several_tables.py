@@ -584,3 +584,20 @@ def test_setup_slot_creates_each_missing_table_and_dry_run_creates_none(
     for table in TABLES:
         assert f"created table {table}" in done.stdout
     assert f"created publication {names.publication} on {', '.join(TABLES)}" in done.stdout
+
+
+def test_prune_refuses_a_table_a_wal2json_slot_does_not_select(empty_db: str, names: Any) -> None:
+    """wal2json selects rows by name: a table outside the slot's list is not relayed, so its
+    rows are never "confirmed", whatever the slot's position."""
+    _tenants(empty_db, *TENANTS, "tenant_c")
+    _setup(empty_db, names, "--plugin", "wal2json")
+    _insert(empty_db, "tenant_c.outbox_events", "a")
+    base = ["--dsn", empty_db, "--slot", names.slot, "--publication", names.publication]
+    pruned = cli("prune", *base, "--table", "tenant_c.outbox_events", "--older-than", "0s")
+    assert pruned.returncode == 1, pruned
+    assert "does not list tenant_c.outbox_events" in pruned.stderr
+    shown = cli("status", *base, "--table", "tenant_c.outbox_events", "--json")
+    assert json.loads(shown.stdout)["slot_relays_table"] is False, shown.stdout
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        row = conn.execute("SELECT count(*) FROM tenant_c.outbox_events").fetchone()
+    assert row == (1,)
