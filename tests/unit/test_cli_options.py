@@ -194,3 +194,22 @@ def test_stream_and_setup_slot_take_several_tables_from_the_variable(
     result = CliRunner().invoke(cli, ["stream", *REQUIRED])
     assert result.exit_code == 0, result.output
     assert seen["tables"] == ("tenant_a.outbox_events", "tenant_b.outbox_events")
+
+
+def test_republish_since_refuses_several_tables() -> None:
+    result = CliRunner().invoke(
+        cli,
+        [
+            "setup-slot",
+            "--table",
+            "tenant_a.outbox_events",
+            "--table",
+            "tenant_b.outbox_events",
+            "--republish-since",
+            "1h",
+            *REQUIRED,
+        ],
+    )
+    assert result.exit_code != 0
+    assert isinstance(result.exception, UsageError), result.output
+    assert "--republish-since publishes the rows of one outbox table" in str(result.exception)
