@@ -35,6 +35,7 @@ from cdc_relay.events import Begin, Commit, Insert, Relation, RowMapper
 from cdc_relay.metrics import EVENTS_PUBLISHED, LATENCY
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink, producer_config
+from cdc_relay.slot import OutboxTable
 
 DATA = Path(__file__).with_name("data") / "pgoutput-backlog.jsonl"
 
@@ -150,15 +151,13 @@ def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
         dsn="",
         slot="bench",
         publication="bench",
-        table="public.outbox_events",
+        tables=("public.outbox_events",),
         kafka_config=producer_config(bootstrap, {}),
         topic_template="bench.{aggregate_type}",
     )
     relay = StreamRelay(settings)
     relation = next(r for r in records if isinstance(r, Relation))
-    relay._table = relay._table.__class__(
-        relation.relid, relation.namespace, relation.name, partitioned=False
-    )
+    relay._tables = (OutboxTable(relation.relid, relation.namespace, relation.name, False),)
     inserts = sum(isinstance(r, Insert) for r in records)
     handle = relay._handle
     relay._last_status = float("inf")  # no replication connection: no status updates

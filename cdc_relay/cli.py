@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import math
+import re
 import signal
 import sys
 import uuid
@@ -130,11 +131,33 @@ _DSN = _option(
     help="libpq connection string or URI of the database with the outbox. Give "
     "the password through PGPASSWORD or a .pgpass file, not here.",
 )
+
+
+def _one_table(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    # Space outside double quotes: several tables, as CDC_RELAY_TABLE holds for stream.
+    if re.search(r"\s", re.sub(r'"(?:[^"]|"")*"', "", value)):
+        raise click.BadParameter(
+            f"{value!r} names several tables; this command takes one (setup-slot and stream "
+            "take several, e.g. from CDC_RELAY_TABLE): give it --table"
+        )
+    return value
+
+
 _TABLE = _option(
     "--table",
     default=DEFAULT_TABLE,
     show_default=True,
+    callback=_one_table,
     help="The outbox table, optionally schema-qualified.",
+)
+_TABLES = _option(
+    "--table",
+    "tables",
+    multiple=True,
+    default=(DEFAULT_TABLE,),
+    show_default=True,
+    help="An outbox table, optionally schema-qualified; repeatable: every table in one "
+    "publication and slot (CDC_RELAY_TABLE: names separated by spaces).",
 )
 
 
@@ -174,9 +197,9 @@ def _specs(
     return [spec] if count is None else [spec.sharded(shard) for shard in every_shard(count)]
 
 
-def database_options(func: F) -> F:
-    for decorate in reversed(
-        [
+def _database_options(table: Callable[[Any], Any]) -> Callable[[F], F]:
+    def decorate(func: F) -> F:
+        options: list[Callable[[Any], Any]] = [
             _DSN,
             _option("--slot", default=DEFAULT_SLOT, show_default=True, help="Replication slot."),
             _option(
@@ -185,11 +208,19 @@ def database_options(func: F) -> F:
                 show_default=True,
                 help="Publication on the outbox table.",
             ),
-            _TABLE,
+            table,
         ]
-    ):
-        func = decorate(func)
-    return func
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+database_options = _database_options(_TABLE)
+"""DSN, slot, publication and one outbox table."""
+several_tables_options = _database_options(_TABLES)
+"""The same with --table repeatable (setup-slot, stream)."""
 
 
 def outbox_options(func: F) -> F:
@@ -273,8 +304,9 @@ def kafka_options(required: bool = True) -> Callable[[F], F]:
                     default=DEFAULT_TOPIC_TEMPLATE,
                     show_default=True,
                     callback=_topic_template,
-                    help="Topic of each event; may use {aggregate_type} and {event_type}, as "
-                    "they are (no conversion or format spec), and {{ }} for braces.",
+                    help="Topic of each event; may use {aggregate_type} and {event_type} (stream "
+                    "also {schema} and {table}, of the event's outbox table), as they are (no "
+                    "conversion or format spec), and {{ }} for braces.",
                 ),
                 _option(
                     "--tombstone-on-empty-payload",
@@ -415,7 +447,7 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
 
 
 @cli.command("setup-slot")
-@database_options
+@several_tables_options
 @_option(
     "--plugin",
     type=click.Choice(["pgoutput", "wal2json"]),
@@ -475,7 +507,7 @@ def setup_slot(
     dsn: str,
     slot: str,
     publication: str,
-    table: str,
+    tables: tuple[str, ...],
     plugin: str,
     shards: int | None,
     columns: tuple[str, ...],
@@ -501,16 +533,19 @@ def setup_slot(
     Safe to run again: what exists already is reported and left as it is. With
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
     --shards N, one slot and publication per shard. With --create-table, a missing outbox
-    table is created first. With --exactly-once, the checkpoint topic too.
+    table is created first. With --exactly-once, the checkpoint topic too. With --table given
+    more than once, one publication holds every table.
     """
     if exactly_once and not kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
+    table, *more_tables = tables
     specs = _specs(
         slot,
         publication,
         table,
         shards,
+        more_tables=tuple(more_tables),
         plugin=plugin,
         aggregate_column=aggregate_column,
         failover=failover_slot,
@@ -548,6 +583,12 @@ def setup_slot(
             "--header-column is for --republish-since, which publishes what stream would: give "
             "it there, or leave it out"
         )
+    if republish_since is not None and more_tables:
+        raise UsageError(
+            "--republish-since publishes the rows of one outbox table again: not available for "
+            "several yet; give --table once (a slot of several tables: see README, Several "
+            "outbox tables on one slot)"
+        )
     if republish_since is not None:
         if from_poller or failover_slot or shards is not None or dry_run or create_table:
             raise UsageError(
@@ -566,6 +607,11 @@ def setup_slot(
         raise UsageError(
             "--from-poller creates the slot through the replication protocol: set it up, then "
             "run setup-slot --failover again, which reports how to make the slot fail over"
+        )
+    if from_poller and more_tables:
+        raise UsageError(
+            "--from-poller takes over from a poller, which relays one outbox table: give "
+            "--table once"
         )
     if from_poller and shards is not None:
         raise UsageError(
@@ -966,7 +1012,7 @@ def _count(value: int | None) -> str:
 
 
 @cli.command("stream")
-@database_options
+@several_tables_options
 @relay_options
 @_option(
     "--status-interval",
@@ -1045,7 +1091,7 @@ def stream(
     dsn: str,
     slot: str,
     publication: str,
-    table: str,
+    tables: tuple[str, ...],
     status_interval: float,
     columns: tuple[str, ...],
     shard: Shard | None,
@@ -1061,15 +1107,21 @@ def stream(
 ) -> None:
     """Stream the slot to Kafka; confirm positions only after Kafka acknowledged them.
 
-    Stops cleanly on SIGTERM or Ctrl-C: waits for acks, confirms, exits 0.
+    Stops cleanly on SIGTERM or Ctrl-C: waits for acks, confirms, exits 0. With --table given
+    more than once, relays every table's rows (each table's aggregates in commit order).
     """
+    if len(tables) > 1 and relay.cloudevents_enabled and relay.cloudevents_source is None:
+        raise UsageError(
+            "--cloudevents names one outbox table in its default ce_source; with several "
+            "--table give --cloudevents-source"
+        )
     health = relay.start()
     slot = shard.name(slot) if shard else slot
     settings = StreamSettings(
-        **relay.settings(dsn, table, header_columns).shared(),
+        **relay.settings(dsn, tables[0], header_columns).shared(),
         slot=slot,
         publication=shard.name(publication) if shard else publication,
-        table=table,
+        tables=tables,
         status_interval=status_interval,
         layout=OutboxLayout.from_options(columns, header_columns),
         message_prefix=message_prefix,

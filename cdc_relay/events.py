@@ -133,6 +133,9 @@ class OutboxEvent:
     # The created_at column's text as PostgreSQL printed it (timestamp types only), if any.
     created_at: bytes | None = None
     payload_kind: PayloadKind = "json"
+    # The outbox table of a row, (schema, name), as the relay named it at start (renames
+    # do not move its events to other topics); None for a logical decoding message.
+    source: tuple[str, str] | None = None
 
 
 class SchemaError(RelayError):
@@ -185,6 +188,7 @@ class RowMapper:
     payload_is_bytea: bool = False
     created_at: int | None = None  # position of a timestamp column named created_at
     payload_kind: PayloadKind = "json"
+    source: tuple[str, str] | None = None  # the outbox table, for OutboxEvent.source
 
     @classmethod
     def for_relation(
@@ -192,8 +196,10 @@ class RowMapper:
         relation: Relation,
         layout: OutboxLayout | None = None,
         bytea_types: frozenset[int] = frozenset({BYTEA_OID}),
+        source: tuple[str, str] | None = None,
     ) -> RowMapper:
-        """The mapper of ``relation``'s rows; ``bytea_types`` are bytea and its domains."""
+        """The mapper of ``relation``'s rows; ``bytea_types`` are bytea and its domains,
+        ``source`` the outbox table its events name (the topic template's fields)."""
         layout = layout or OutboxLayout()
         positions = {column.name: i for i, column in enumerate(relation.columns)}
         missing = [layout.column(f) for f in FIELDS if layout.column(f) not in positions]
@@ -222,6 +228,7 @@ class RowMapper:
             payload_is_bytea=payload_type in bytea_types,
             created_at=created_at,
             payload_kind=payload_kind(payload_type, payload_type in bytea_types),
+            source=source,
         )
 
     def event(self, row: Insert, begin: Begin) -> OutboxEvent:
@@ -265,6 +272,7 @@ class RowMapper:
             else (),
             created_at if type(created_at) is bytes else None,  # not NULL
             self.payload_kind,
+            self.source,
         )
 
 

@@ -17,7 +17,9 @@ from cdc_relay.events import OutboxEvent, SchemaError
 from cdc_relay.lsn import Lsn
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
-TEMPLATE_FIELDS = frozenset({"aggregate_type", "event_type"})
+TEMPLATE_FIELDS = frozenset({"aggregate_type", "event_type", "schema", "table"})
+# The outbox table's schema and name: only stream knows them per event (several tables).
+TABLE_FIELDS = frozenset({"schema", "table"})
 _ILLEGAL_TOPIC_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_TOPIC = 249
 
@@ -48,9 +50,40 @@ def legal_topic(name: str) -> str:
 
 
 _TEMPLATE_RULE = (
-    "a template may use {aggregate_type} and {event_type} as they are (no conversion, format "
-    "spec, attribute or index), and {{ and }} for literal braces"
+    "a template may use {aggregate_type} and {event_type}, and with stream {schema} and "
+    "{table} of the event's outbox table, as they are (no conversion, format spec, attribute "
+    "or index), and {{ and }} for literal braces"
 )
+
+
+def _fields(template: str) -> list[tuple[str, str | None, str | None, str | None]]:
+    try:
+        return list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise UsageError(f"--topic-template {template!r}: {exc}; {_TEMPLATE_RULE}") from None
+
+
+def table_fields(template: str) -> frozenset[str]:
+    """The fields of ``template`` (a checked one) that name the event's outbox table."""
+    return frozenset(name for _, name, _, _ in _fields(template) if name in TABLE_FIELDS)
+
+
+def fill_table(template: str, schema: str, table: str) -> str:
+    """``template`` with ``{schema}`` and ``{table}`` filled in, the other fields left as they
+    are: for a tool that knows the one outbox table (trace)."""
+    out = []
+    for text, name, spec, conversion in _fields(template):
+        out.append(_braces(text))
+        if name in TABLE_FIELDS:
+            out.append(_braces(schema if name == "schema" else table))
+        elif name is not None:
+            field = name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            out.append("{" + field + "}")
+    return "".join(out)
+
+
+def _braces(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def check_template(template: str) -> str:
@@ -59,10 +92,7 @@ def check_template(template: str) -> str:
     ``str.format`` would take much more (``{}``, ``{0}``, ``{aggregate_type!r:>9}``, ...),
     and fail only at the first event; the template is checked once, at start-up.
     """
-    try:
-        parts = list(string.Formatter().parse(template))
-    except ValueError as exc:
-        raise UsageError(f"--topic-template {template!r}: {exc}; {_TEMPLATE_RULE}") from None
+    parts = _fields(template)
     fixed = "".join(text for text, _, _, _ in parts)
     fields = 0
     for _, name, spec, conversion in parts:
@@ -89,19 +119,33 @@ def check_template(template: str) -> str:
 
 class Router:
     """Routes events to topics; key = aggregate_id, value = the payload bytes as stored; with
-    ``cloudevents``, the CloudEvents headers after the others."""
+    ``cloudevents``, the CloudEvents headers after the others.
+
+    ``by_table``: the relay names each event's outbox table (``OutboxEvent.source``), so the
+    template may use ``{schema}`` and ``{table}``; otherwise they are refused here, at start-up.
+    """
 
     def __init__(
         self,
         topic_template: str = DEFAULT_TOPIC_TEMPLATE,
         tombstone_on_empty: bool = False,
         cloudevents: CloudEvents | None = None,
+        by_table: bool = False,
     ) -> None:
         check_template(topic_template)
+        fields = table_fields(topic_template)
+        if fields and not by_table:
+            raise UsageError(
+                f"--topic-template {topic_template!r}: "
+                f"{' and '.join('{' + name + '}' for name in sorted(fields))} name the outbox "
+                "table of a row, which only cdc-relay stream tells apart; poll relays one "
+                "table: write its schema and name into the template"
+            )
         self._template = topic_template
         self._tombstone_on_empty = tombstone_on_empty
         self._cloudevents = cloudevents
-        self._topics: dict[tuple[str, str], str] = {}
+        self._by_table = bool(fields)  # the topic depends on the table too
+        self._topics: dict[tuple[object, ...], str] = {}
 
     def route(self, event: OutboxEvent) -> Message:
         # First: it refuses an event without the attributes CloudEvents requires.
@@ -116,7 +160,11 @@ class Router:
         if cloudevents:
             headers.extend(cloudevents)
         # Per event: the common cases inline (a cached topic, a payload), the rest in methods.
-        topic = self._topics.get((event.aggregate_type, event.event_type)) or self.topic(event)
+        topic = (
+            self._topics.get((event.aggregate_type, event.event_type, event.source))
+            if self._by_table
+            else self._topics.get((event.aggregate_type, event.event_type))
+        ) or self.topic(event)
         return Message(
             topic,
             None if event.aggregate_id is None else event.aggregate_id.encode(),
@@ -139,12 +187,27 @@ class Router:
         return event.payload  # empty: published as an empty value
 
     def topic(self, event: OutboxEvent) -> str:
-        cache_key = (event.aggregate_type, event.event_type)
+        cache_key: tuple[object, ...] = (event.aggregate_type, event.event_type)
+        schema = table = ""
+        if self._by_table:
+            if event.source is None:
+                raise SchemaError(
+                    f"event {event.id} ({event.event_type}, aggregate {event.aggregate_id}) "
+                    "came as a logical decoding message, which belongs to no table, and "
+                    f"--topic-template {self._template!r} names the outbox table; write such "
+                    "events as rows of their outbox table, or send them with a prefix this "
+                    "relay's --message-prefix does not take"
+                )
+            cache_key = (*cache_key, event.source)
+            schema, table = event.source
         topic = self._topics.get(cache_key)
         if topic is None:
             topic = legal_topic(
                 self._template.format(
-                    aggregate_type=event.aggregate_type, event_type=event.event_type
+                    aggregate_type=event.aggregate_type,
+                    event_type=event.event_type,
+                    schema=schema,
+                    table=table,
                 )
             )
             if len(self._topics) < 10_000:  # bounded: aggregate types are few in practice

@@ -6,7 +6,7 @@ import logging
 import re
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -43,6 +43,12 @@ class SlotSpec:
     aggregate_column: str = "aggregate_id"
     comment: str | None = None  # put on the publication it creates (reshard's cut)
     failover: bool = False  # a failover slot, which standbys keep a copy of (PostgreSQL 17+)
+    more_tables: tuple[str, ...] = ()  # further outbox tables in the same publication
+
+    @property
+    def tables(self) -> tuple[str, ...]:
+        """Every outbox table of the publication: ``table`` first."""
+        return (self.table, *self.more_tables)
 
     def sharded(self, shard: Shard) -> SlotSpec:
         """The spec of ``shard``: its slot and publication, named after these."""
@@ -107,6 +113,24 @@ def coverage_problem(
             f"--shards {shard.count} again"
         )
     return None
+
+
+def besides_problem(
+    conn: psycopg.Connection[dict[str, Any]], publication: str, tables: Sequence[OutboxTable]
+) -> str | None:
+    """For a wal2json slot, which selects rows by the names of ``tables``: why the rows of
+    a table ``publication`` publishes besides them (setup-slot lists a slot's outbox tables
+    there) would be skipped, with the remedy; None when there is none (or no publication)."""
+    row = _one(conn, "published_besides", publication=publication, oids=[t.oid for t in tables])
+    others = row.get("tables")
+    if not others:
+        return None
+    return (
+        f"publication {publication} publishes {', '.join(others)} beside the outbox "
+        f"table{'s' if len(tables) > 1 else ''} the wal2json slot selects by --table, so rows "
+        f"of {others[0]} would be skipped: restart with --table {others[0]} added, or drop "
+        f"it from the publication (ALTER PUBLICATION {publication} DROP TABLE {others[0]})"
+    )
 
 
 def _bare(expression: str) -> str:
@@ -271,7 +295,7 @@ def _check_standby(
             "copy it); drop --failover, or run setup-slot --failover against the primary"
         )
     if not _one(conn, "publication", publication=spec.publication):
-        statement = _publication_statement(spec, table)
+        statement = _publication_statement(spec, [table])
         raise PreflightError(
             f"this server is a standby, where publication {spec.publication} cannot be created; "
             f"create it on the primary ({' '.join(statement.as_string(conn).split())}), "
@@ -279,14 +303,22 @@ def _check_standby(
         )
 
 
-def _publication_statement(spec: SlotSpec, table: str) -> sql.Composed:
-    """CREATE PUBLICATION of ``spec`` on ``table`` (quoted by the table query's format('%I.%I'))."""
+def _publication_statement(spec: SlotSpec, tables: Sequence[str]) -> sql.Composed:
+    """CREATE PUBLICATION of ``spec`` on ``tables`` (each quoted by the table query's
+    format('%I.%I')); a shard's publication filters the rows of each the same way."""
+    shard = spec.shard
     return sql.SQL(
-        QUERIES["create_publication" if spec.shard is None else "create_shard_publication"]
+        QUERIES["create_publication" if shard is None else "create_shard_publication"]
     ).format(
         publication=sql.Identifier(spec.publication),
-        table=sql.SQL(table),
-        filter=spec.shard.row_filter(spec.aggregate_column) if spec.shard else sql.SQL(""),
+        tables=sql.SQL(", ").join(
+            sql.SQL(table)
+            if shard is None
+            else sql.SQL("{} WHERE ({})").format(
+                sql.SQL(table), shard.row_filter(spec.aggregate_column)
+            )
+            for table in tables
+        ),
     )
 
 
@@ -327,36 +359,48 @@ def setup(
     after preflight; with ``create_table``, the outbox table first when it is missing."""
     report = SetupReport(done=[], existing=[], statements=[])
     with connect(dsn) as conn, ExitStack() as dry:
-        if create_table and not _one(conn, "table", table=spec.table):
-            target = schema.outbox_target(conn, spec.table)
-            if dry_run:  # made for the checks that follow, and rolled back
+        for name in spec.tables if create_table else ():
+            if _one(conn, "table", table=name):
+                continue
+            target = schema.outbox_target(conn, name)
+            if dry_run and not report.statements:  # made for the checks, and rolled back
                 dry.enter_context(conn.transaction(force_rollback=True))
             schema.apply(conn, "outbox", target)
             report.statements.append(f"-- cdc-relay schema apply outbox, in schema {target}")
             if not dry_run:
-                report.done.append(f"created table {spec.table} (cdc-relay schema outbox)")
-        table = preflight(conn, spec)
+                report.done.append(f"created table {name} (cdc-relay schema outbox)")
+        # Each name quoted by the table query's format('%I.%I').
+        tables = [preflight(conn, replace(spec, table=name)) for name in spec.tables]
+        for name, quoted in zip(spec.tables, tables, strict=True):
+            if tables.count(quoted) > 1:
+                raise PreflightError(
+                    f"--table {name} names {quoted}, as another --table does; name each outbox "
+                    "table once"
+                )
         database = _one(conn, "server")["database"]
 
         publication = _one(conn, "publication", publication=spec.publication)
         if publication:
-            found = find_table(conn, spec.table)
-            problem = (
-                coverage_problem(conn, spec.publication, found, spec.shard, spec.aggregate_column)
-                if found
-                else None
-            )
-            if problem:
-                raise PreflightError(problem)
-            report.existing.append(f"publication {spec.publication} on {table}")
+            for name in spec.tables:
+                found = find_table(conn, name)
+                problem = (
+                    coverage_problem(
+                        conn, spec.publication, found, spec.shard, spec.aggregate_column
+                    )
+                    if found
+                    else None
+                )
+                if problem:
+                    raise PreflightError(problem)
+            report.existing.append(f"publication {spec.publication} on {', '.join(tables)}")
         else:
-            statement = _publication_statement(spec, table)
+            statement = _publication_statement(spec, tables)
             report.statements.append(statement.as_string(conn) + ";")
             if not dry_run:
                 conn.execute(statement)
                 if spec.comment is not None:
                     conn.execute(_comment(spec.publication, spec.comment))
-                report.done.append(f"created publication {spec.publication} on {table}")
+                report.done.append(f"created publication {spec.publication} on {', '.join(tables)}")
 
         if not create_slot:
             return report
@@ -459,6 +503,16 @@ def relay_problem(
             f"{table.qualified} is partitioned, and wal2json names each row by its partition, "
             f"so slot {slot} relays none of them; use a pgoutput slot"
         )
+    # wal2json selects rows by the tables stream is given; setup-slot lists them in the
+    # publication, and stream refuses to run without one listed there.
+    row = _one(conn, "coverage", publication=publication, oid=table.oid)
+    if row and not row["covered"]:
+        return (
+            f"publication {publication}, which lists the tables the relay of wal2json slot "
+            f"{slot} selects, does not list {table.qualified}, so the slot relays none of its "
+            f"rows; if it should, run ALTER PUBLICATION {publication} ADD TABLE "
+            f"{table.qualified} and give stream --table {table.qualified} too"
+        )
     return None
 
 
@@ -545,6 +599,18 @@ def reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> list[str]:
                 raise PreflightError(
                     f"slot {each.slot} uses {slot['plugin']}; shards need pgoutput slots: "
                     "move to one first (setup-slot --plugin pgoutput, then stream it)"
+                )
+            # The new publications publish --table alone: another table's rows after the cut
+            # would be in no slot's stream.
+            table = _one(conn, "table", table=spec.table).get("name")
+            published = _one(conn, "publication", publication=each.publication).get("tables")
+            others = [name for name in published or () if name != table]
+            if others:
+                raise PreflightError(
+                    f"publication {each.publication} publishes {', '.join(others)} beside "
+                    f"{table or spec.table}; reshard moves one outbox table to new shards, so "
+                    "the rows of the others would be in no shard's stream after the cut: "
+                    "reshard a publication of one table only"
                 )
         for shard, each in new.items():
             if not (

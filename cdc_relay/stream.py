@@ -74,6 +74,7 @@ from cdc_relay.sink import KafkaSink
 from cdc_relay.slot import (
     PLUGINS,
     OutboxTable,
+    besides_problem,
     check_encoding,
     connect,
     coverage_problem,
@@ -97,7 +98,8 @@ _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
 class StreamSettings(RelaySettings):
     slot: str
     publication: str
-    table: str
+    # The outbox tables, one or more, all in the slot's publication (or wal2json's add-tables).
+    tables: tuple[str, ...]
     status_interval: float = 10.0
     layout: OutboxLayout = field(default_factory=OutboxLayout)
     message_prefix: str = "outbox"
@@ -134,6 +136,33 @@ _PENDING = object()  # no report yet for the message sent alone
 Token = tuple[Transaction, str]
 
 
+def _find_tables(
+    conn: psycopg.Connection[dict[str, Any]], names: Sequence[str]
+) -> tuple[OutboxTable, ...]:
+    """``--table`` (each) resolved as PostgreSQL resolves it; a PreflightError for a table
+    that does not exist, or one named twice (``outbox_events`` and ``public.outbox_events``)."""
+    if not names:
+        raise PreflightError("no outbox table given; name one with --table")
+    tables: dict[int, tuple[str, OutboxTable]] = {}
+    for name in names:
+        table = find_table(conn, name)
+        if table is None:
+            raise PreflightError(f"table {name} does not exist; check --table")
+        if table.oid in tables:
+            raise PreflightError(
+                f"--table {tables[table.oid][0]} and --table {name} are the same table, "
+                f"{table.qualified}; name each outbox table once"
+            )
+        tables[table.oid] = (name, table)
+    return tuple(table for _, table in tables.values())
+
+
+def _tables(tables: Sequence[OutboxTable]) -> str:
+    """``table a`` or ``tables a, b``, for messages."""
+    names = ", ".join(table.qualified for table in tables)
+    return f"table{'s' if len(tables) > 1 else ''} {names}"
+
+
 class StreamRelay:
     """Streams one slot to Kafka until stopped; confirms only acknowledged positions."""
 
@@ -142,7 +171,10 @@ class StreamRelay:
         self.health = health or Health()
         self.tracker = LsnTracker()
         self.router = Router(
-            settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
+            settings.topic_template,
+            settings.tombstone_on_empty,
+            settings.cloudevents,
+            by_table=True,
         )
         self._eos = settings.exactly_once
         self.sink: KafkaSink
@@ -168,7 +200,8 @@ class StreamRelay:
         self.progress = Progress()
         self._published = EVENTS_PUBLISHED.labels(relay="stream")
         self._last_event = time.monotonic()
-        self._table = OutboxTable(0, "", "", partitioned=False)
+        # The outbox tables by identity, as named at start (the topics' {schema} and {table}).
+        self._tables: tuple[OutboxTable, ...] = ()
         self._watcher: Watcher | None = None
         self._relations: dict[int, str] = {}  # relid -> name, for messages about other tables
         self._bytea_types: frozenset[int] = frozenset({BYTEA_OID})  # and its domains
@@ -258,7 +291,7 @@ class StreamRelay:
     def run(self) -> None:
         """Stream until ``request_stop``; raise RelayError on a failure the user must fix."""
         self._register_metrics()
-        self._table, confirmed, self._plugin = self._check_database()
+        self._tables, confirmed, self._plugin = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
         self._conn = self._acquire()
         if self._conn is None:
@@ -270,10 +303,11 @@ class StreamRelay:
         watcher = Watcher(
             self.settings.dsn,
             self.settings.slot,
-            self._table,
+            self._tables,
             publication,
             shard=self.settings.shard,
             aggregate_column=self.settings.layout.aggregate_id,
+            listing=self.settings.publication if publication is None else None,
         )
         self._watcher = watcher.start()
         shard = self.settings.shard
@@ -392,21 +426,27 @@ class StreamRelay:
             self._message(record)
 
     def _relation(self, record: Relation) -> None:
-        """Whether the rows of ``record`` are outbox events: the outbox table is known by its
-        OID (pgoutput), which follows renames and schema moves, or by its name (wal2json,
-        and rows written before the table was dropped and made again)."""
-        table = self._table
-        by_name = (record.namespace, record.name) == (table.schema, table.name)
-        by_oid = self._plugin == "pgoutput" and record.relid == table.oid
+        """Whether the rows of ``record`` are outbox events, and of which outbox table: a
+        table is known by its OID (pgoutput), which follows renames and schema moves, or by
+        its name (wal2json, and rows written before the table was dropped and made again).
+        The OID decides first: two outbox tables that swapped names stay apart."""
+        name = (record.namespace, record.name)
+        table = next(
+            (t for t in self._tables if self._plugin == "pgoutput" and record.relid == t.oid),
+            None,
+        ) or next((t for t in self._tables if (t.schema, t.name) == name), None)
         self._relations[record.relid] = record.qualified_name
         self._mappers[record.relid] = (
-            RowMapper.for_relation(record, self.settings.layout, self._bytea_types)
-            if by_oid or by_name
-            else None
+            None
+            if table is None
+            else RowMapper.for_relation(
+                record, self.settings.layout, self._bytea_types, (table.schema, table.name)
+            )
         )
-        if by_oid and not by_name:
+        if table is not None and (table.schema, table.name) != name:
             log.info(
-                "rows of the outbox table arrive as %s (renamed); following it by identity",
+                "rows of the outbox table %s arrive as %s (renamed); following it by identity",
+                table.qualified,
                 record.qualified_name,
                 extra={"action": "table_renamed", "table": record.qualified_name},
             )
@@ -416,9 +456,10 @@ class StreamRelay:
         if not self.settings.ignore_other_tables:
             raise RelayError(
                 f"a row of table {name} arrived: publication {self.settings.publication} "
-                f"publishes it beside the outbox table {self._table.qualified}, and cdc-relay "
-                f"relays the outbox only. Remove it (ALTER PUBLICATION "
-                f"{self.settings.publication} DROP TABLE {name}) and restart with "
+                f"publishes it beside the outbox {_tables(self._tables)}, and cdc-relay "
+                f"relays the outbox only. If it is an outbox too, restart with --table {name} "
+                "added (nothing from its first row on was confirmed); if not, remove it (ALTER "
+                f"PUBLICATION {self.settings.publication} DROP TABLE {name}) and restart with "
                 "--ignore-other-tables to pass its rows already written, or give it its own "
                 "publication"
             )
@@ -736,10 +777,10 @@ class StreamRelay:
 
     # -- connections ----------------------------------------------------------------------
 
-    def _check_database(self) -> tuple[OutboxTable, str, str]:
-        """Slot, publication and table exist as ``stream`` needs them.
+    def _check_database(self) -> tuple[tuple[OutboxTable, ...], str, str]:
+        """Slot, publication and tables exist as ``stream`` needs them.
 
-        Returns the outbox table, the slot's confirmed position and the slot's plugin.
+        Returns the outbox tables, the slot's confirmed position and the slot's plugin.
         """
         settings = self.settings
         with connect(settings.dsn) as conn:
@@ -760,37 +801,40 @@ class StreamRelay:
                     f"slot {settings.slot} uses {slot['plugin']}; stream decodes "
                     f"{' and '.join(PLUGINS)}: create such a slot with cdc-relay setup-slot"
                 )
-            table = find_table(conn, settings.table)
-            if table is None:
-                raise PreflightError(f"table {settings.table} does not exist; check --table")
+            tables = _find_tables(conn, settings.tables)
             if settings.shard is not None and slot["plugin"] != "pgoutput":
                 raise PreflightError(
                     f"slot {settings.slot} uses {slot['plugin']}; a shard needs a pgoutput slot "
                     "(its publication's row filter sorts the rows out): cdc-relay setup-slot "
                     "--shards"
                 )
-            if slot["plugin"] == "pgoutput":
-                problem = coverage_problem(
-                    conn,
-                    settings.publication,
-                    table,
-                    settings.shard,
-                    settings.layout.aggregate_id,
-                )
+            for table in tables:
+                if slot["plugin"] == "pgoutput":
+                    problem = coverage_problem(
+                        conn,
+                        settings.publication,
+                        table,
+                        settings.shard,
+                        settings.layout.aggregate_id,
+                    )
+                    if problem:
+                        raise PreflightError(problem)
+                elif table.partitioned:
+                    raise PreflightError(
+                        f"{table.qualified} is partitioned, and wal2json names each row by its "
+                        "partition; use a pgoutput slot (cdc-relay setup-slot --plugin pgoutput)"
+                    )
+            if slot["plugin"] == "wal2json":
+                problem = besides_problem(conn, settings.publication, tables)
                 if problem:
                     raise PreflightError(problem)
-            elif table.partitioned:
-                raise PreflightError(
-                    f"{table.qualified} is partitioned, and wal2json names each row by its "
-                    "partition; use a pgoutput slot (cdc-relay setup-slot --plugin pgoutput)"
-                )
             if settings.shard is not None:
                 self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             if self.dead_letters is not None:
                 self.dead_letters.check(conn)
             row = conn.execute(QUERIES["bytea_types"]).fetchone()
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
-            return table, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
+            return tables, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
     def _start_transactions(self, eos: ExactlyOnce) -> None:
         """Fence older relays of this transactional id, read how far they committed: the
@@ -867,7 +911,9 @@ class StreamRelay:
             self._decode = Wal2JsonDecoder(self._bytea_types).decode
             options = {
                 **wal2json.START_OPTIONS,
-                "add-tables": wal2json.table_filter(self._table.schema, self._table.name),
+                "add-tables": ",".join(
+                    wal2json.table_filter(table.schema, table.name) for table in self._tables
+                ),
                 "add-msg-prefixes": self.settings.message_prefix,
             }
         else:

@@ -13,7 +13,7 @@ import contextlib
 import datetime as dt
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -42,7 +42,7 @@ from cdc_relay.events import (
 )
 from cdc_relay.lsn import format_lsn
 from cdc_relay.queries import QUERIES
-from cdc_relay.routing import legal_topic
+from cdc_relay.routing import fill_table, legal_topic
 from cdc_relay.slot import OutboxTable, connect, find_table
 
 # -- where librdkafka's murmur2_random puts a key -----------------------------------------------
@@ -179,15 +179,18 @@ def trace(settings: TraceSettings, event_id: str) -> Trace:
         raise UsageError(f"{event_id!r} is not an event id (a UUID)") from None
     result = Trace(event_id)
     with connect(settings.dsn) as conn:
-        _database(conn, settings, result)
-    _kafka(settings, result)
+        table = _database(conn, settings, result)
+    # The topic template's {schema} and {table} name the outbox table (several on one slot).
+    template = fill_table(settings.topic_template, table.schema, table.name)
+    _kafka(replace(settings, topic_template=template), result)
     result.answer = answer(result)
     return result
 
 
 def _database(
     conn: psycopg.Connection[dict[str, Any]], settings: TraceSettings, result: Trace
-) -> None:
+) -> OutboxTable:
+    """What the database knows of the event; returns the outbox table."""
     table = find_table(conn, settings.table)
     if table is None:
         raise PreflightError(
@@ -210,13 +213,13 @@ def _database(
     result.slot = {"slot_name": settings.slot, **slot} if slot else None
     if slot is None:
         result.pending_scan = f"no slot {settings.slot}"
-        return
+        return table
     try:
         result.pending, complete = _unconfirmed(conn, settings, slot["plugin"], table, result)
     except psycopg.DatabaseError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         result.pending_scan = f"the slot's unconfirmed changes could not be read: {first}"
-        return
+        return table
     result.pending_scan = "complete" if complete else "cut"
     if result.pending is not None:
         result.committed = True
@@ -224,6 +227,7 @@ def _database(
         result.commit_time, result.commit_time_source = result.pending.commit_time, "commit"
     elif complete and result.committed:
         result.confirmed_past_commit = True
+    return table
 
 
 def _unconfirmed(

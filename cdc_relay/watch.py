@@ -1,17 +1,18 @@
-"""Background checks of what the stream depends on, on their own connection: the outbox table
+"""Background checks of what the stream depends on, on their own connection: each outbox table
 (by identity) is still there and still published, and how much WAL the slot retains.
 
-A check reads the WAL insert position first and then the catalog: when the table is still
+A check reads the WAL insert position first and then the catalog: when every table is still
 published in that later snapshot, every transaction that committed before the position was
-decoded with the table published. The stream confirms no position past the last such check
-(``verified``), so a publication that stops covering the table stops the relay before the slot
-moves past an event that was never decoded.
+decoded with the tables published. The stream confirms no position past the last such check
+(``verified``), so a publication that stops covering any one table stops the relay before the
+slot moves past an event that was never decoded.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
@@ -21,7 +22,7 @@ from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
 from cdc_relay.queries import QUERIES
 from cdc_relay.shards import Shard
-from cdc_relay.slot import OutboxTable, coverage_problem, table_by_oid
+from cdc_relay.slot import OutboxTable, besides_problem, coverage_problem, table_by_oid
 
 log = logging.getLogger(__name__)
 
@@ -34,24 +35,30 @@ class Watcher:
         self,
         dsn: str,
         slot: str,
-        table: OutboxTable,
+        tables: Sequence[OutboxTable],
         publication: str | None,
         interval: float = 1.0,
         wal_interval: float = 10.0,
         shard: Shard | None = None,
         aggregate_column: str = "aggregate_id",
+        listing: str | None = None,
     ) -> None:
         self._dsn = dsn
         self._slot = slot
-        self.table = table
+        self.tables = list(tables)  # as named now: renames are followed
         # None: the plugin selects rows by table name (wal2json), so the name must not change.
         self._publication = publication
         self._shard = shard  # whose row filter the publication must keep
         self._aggregate_column = aggregate_column
+        # wal2json: the publication that lists the outbox tables; one more there is a table
+        # whose rows the slot skips (it selects rows by the names of ours).
+        self._listing = listing
+        # table OID -> its publication entry as first seen (publication_entry in queries.sql)
+        self._entries: dict[int, tuple[Any, Any]] = {}
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0
-        """A WAL position before which every commit was decoded with the table published."""
+        """A WAL position before which every commit was decoded with every table published."""
         self.problem: str | None = None
         """Why the stream must stop, with the remedy; set once."""
         self.shutting_down = False
@@ -134,18 +141,39 @@ class Watcher:
             return
         row = conn.execute(QUERIES["wal_lsn"]).fetchone()
         lsn = parse(row["lsn"]) if row else 0
-        now = table_by_oid(conn, self.table.oid)
+        for index, table in enumerate(self.tables):
+            self.problem = self._table_problem(conn, table, index)
+            if self.problem is not None:
+                return  # the tables checked so far may be fine: verified stays where it was
+        if self._listing is not None:
+            self.problem = besides_problem(conn, self._listing, self.tables)
+            if self.problem is not None:
+                self.problem = "while streaming, " + self.problem
+                return
+        self.verified = max(self.verified, lsn)
+        if wal:
+            slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()
+            if slot:
+                observe_slot(slot)
+
+    def _table_problem(
+        self, conn: psycopg.Connection[dict[str, Any]], table: OutboxTable, index: int
+    ) -> str | None:
+        """Why the stream must stop for ``table`` (the ``index``-th), or None; follows a
+        rename (pgoutput)."""
+        problem = None
+        now = table_by_oid(conn, table.oid)
         if now is None:
-            self.problem = (
-                f"the outbox table {self.table.qualified} was dropped; events committed before "
+            problem = (
+                f"the outbox table {table.qualified} was dropped; events committed before "
                 "that were relayed, nothing after was confirmed. Recreate it and add it to the "
                 "publication (rows written to it before then are not in the stream: republish "
                 "them), or point --table at the new outbox, then restart"
             )
-        elif (now.schema, now.name) != (self.table.schema, self.table.name):
+        elif (now.schema, now.name) != (table.schema, table.name):
             if self._publication is None:
-                self.problem = (
-                    f"the outbox table {self.table.qualified} was renamed to {now.qualified}; "
+                problem = (
+                    f"the outbox table {table.qualified} was renamed to {now.qualified}; "
                     "the wal2json slot selects rows by table name, so rows written under the "
                     "new name are not decoded. Rename it back (and republish the rows written "
                     "meanwhile), or use a pgoutput slot, which follows the table by identity"
@@ -153,23 +181,39 @@ class Watcher:
             else:
                 log.warning(
                     "the outbox table %s is now %s; following it",
-                    self.table.qualified,
+                    table.qualified,
                     now.qualified,
                     extra={"action": "table_renamed", "table": now.qualified},
                 )
-                self.table = now
-        if self.problem is None and self._publication is not None:
-            self.problem = coverage_problem(
-                conn, self._publication, self.table, self._shard, self._aggregate_column
+                self.tables[index] = table = now
+        if problem is None and self._publication is not None:
+            problem = coverage_problem(
+                conn, self._publication, table, self._shard, self._aggregate_column
             )
-            if self.problem is not None:
-                self.problem += (
+            if problem is not None:
+                problem += (
                     "; rows written since were not decoded: republish them after the fix, "
                     "then restart the relay"
                 )
-        if self.problem is None:
-            self.verified = max(self.verified, lsn)
-        if wal:
-            slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()
-            if slot:
-                observe_slot(slot)
+            else:
+                problem = self._entry_problem(conn, self._publication, table)
+        return problem
+
+    def _entry_problem(
+        self, conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
+    ) -> str | None:
+        """Why ``table``, published now, may have been out of ``publication`` since the last
+        check: its entry there (or the publication) was made again in between."""
+        row = conn.execute(
+            QUERIES["publication_entry"], {"publication": publication, "oid": table.oid}
+        ).fetchone()
+        entry = (row["publication"], row["entry"]) if row else (None, None)
+        first = self._entries.setdefault(table.oid, entry)
+        if entry == first:
+            return None
+        return (
+            f"publication {publication} stopped publishing {table.qualified} and published it "
+            "again (the table was dropped from it and added back, or the publication made "
+            f"again), so rows written to {table.qualified} in between were not decoded: "
+            "republish them, then restart the relay"
+        )

@@ -40,10 +40,10 @@ FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
 -- create_publication --
--- Publish only inserts of the outbox table: deletes by a cleaning job are not events. Rows of
+-- Publish only inserts of the outbox tables: deletes by a cleaning job are not events. Rows of
 -- a partitioned outbox are published as the root's, so the relay knows them whatever partition
--- holds them, partitions attached later included.
-CREATE PUBLICATION {publication} FOR TABLE {table}
+-- holds them, partitions attached later included. {tables}: one outbox table, or several.
+CREATE PUBLICATION {publication} FOR TABLE {tables}
     WITH (publish = 'insert', publish_via_partition_root = true)
 
 -- outbox_table --
@@ -80,9 +80,31 @@ SELECT pg_get_expr(g.qual, g.relid) AS filter
 FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
 WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 
+-- publication_entry --
+-- What makes the publication publish the table, as catalog row OIDs: the publication's and the
+-- table's own entry in it (none for FOR ALL TABLES or FOR TABLES IN SCHEMA). A table dropped
+-- from the publication and added again has a new entry: the inserts between were not decoded
+SELECT p.oid::bigint AS publication,
+       (SELECT r.oid::bigint FROM pg_publication_rel r
+        WHERE r.prpubid = p.oid AND r.prrelid = %(oid)s::oid) AS entry
+FROM pg_publication p
+WHERE p.pubname = %(publication)s
+
+-- published_besides --
+-- The tables the publication publishes besides the given ones (a wal2json slot's outbox
+-- tables, which it selects by name): empty when there are none, or no such publication
+SELECT array(SELECT format('%%I.%%I', n.nspname, c.relname)
+             FROM pg_publication p,
+                  pg_get_publication_tables(p.pubname::text) AS g
+                  JOIN pg_class c ON c.oid = g.relid
+                  JOIN pg_namespace n ON n.oid = c.relnamespace
+             WHERE p.pubname = %(publication)s AND g.relid <> ALL(%(oids)s::oid[])
+             ORDER BY 1) AS tables
+
 -- create_shard_publication --
--- A shard's publication: create_publication's, with the shard's row filter
-CREATE PUBLICATION {publication} FOR TABLE {table} WHERE ({filter})
+-- A shard's publication: create_publication's, with the shard's row filter on each table
+-- ({tables}: `table WHERE (filter)`, one or several)
+CREATE PUBLICATION {publication} FOR TABLE {tables}
     WITH (publish = 'insert', publish_via_partition_root = true)
 
 -- emit_cut --

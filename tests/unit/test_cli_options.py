@@ -161,3 +161,55 @@ def test_the_warning_does_not_claim_a_title_it_could_not_set(
     (warning,) = capsys.readouterr().err.splitlines()
     assert "--kafka-config could be read in the process list all along" in warning
     assert "CDC_RELAY_KAFKA_SASL_PASSWORD" in warning
+
+
+@pytest.mark.parametrize("command", ["status", "prune", "poll", "trace"])
+def test_a_command_of_one_table_refuses_several(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CDC_RELAY_TABLE", "tenant_a.outbox_events tenant_b.outbox_events")
+    path = tuple(command.split())
+    result = CliRunner().invoke(cli, [*path, *required(dict(commands())[path])])
+    assert result.exit_code == 2, result.output
+    assert "names several tables; this command takes one" in result.output
+
+
+def test_a_quoted_table_name_may_hold_a_space() -> None:
+    assert cli_module._one_table(None, None, '"my schema"."outbox events"') == (  # type: ignore[arg-type]
+        '"my schema"."outbox events"'
+    )
+
+
+def test_stream_and_setup_slot_take_several_tables_from_the_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CDC_RELAY_TABLE", "tenant_a.outbox_events tenant_b.outbox_events")
+    seen = {}
+
+    def fake(settings: object, *args: object) -> None:
+        seen["tables"] = settings.tables  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(cli_module, "StreamRelay", lambda settings, health: fake(settings))
+    monkeypatch.setattr(cli_module, "run_relay", lambda relay: None)
+    result = CliRunner().invoke(cli, ["stream", *REQUIRED])
+    assert result.exit_code == 0, result.output
+    assert seen["tables"] == ("tenant_a.outbox_events", "tenant_b.outbox_events")
+
+
+def test_republish_since_refuses_several_tables() -> None:
+    result = CliRunner().invoke(
+        cli,
+        [
+            "setup-slot",
+            "--table",
+            "tenant_a.outbox_events",
+            "--table",
+            "tenant_b.outbox_events",
+            "--republish-since",
+            "1h",
+            *REQUIRED,
+        ],
+    )
+    assert result.exit_code != 0
+    assert isinstance(result.exception, UsageError), result.output
+    assert "--republish-since publishes the rows of one outbox table" in str(result.exception)

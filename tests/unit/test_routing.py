@@ -8,7 +8,7 @@ from capture import pgoutput_messages
 from cdc_relay import pgoutput
 from cdc_relay.errors import UsageError
 from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper, SchemaError
-from cdc_relay.routing import Router, check_template, legal_topic
+from cdc_relay.routing import Router, check_template, fill_table, legal_topic
 
 
 def captured_event() -> OutboxEvent:
@@ -131,3 +131,68 @@ def test_null_payload_stops_unless_tombstones_are_asked_for() -> None:
 def test_header_columns_follow_the_standard_headers() -> None:
     event = replace(captured_event(), headers=(("tenant", b"t-1"),))
     assert Router().route(event).headers[-1] == ("tenant", b"t-1")
+
+
+def test_schema_and_table_name_each_rows_outbox_table() -> None:
+    router = Router("{schema}.{table}.{aggregate_type}", by_table=True)
+    event = captured_event()
+    tenant_a = replace(event, source=("tenant_a", "outbox_events"))
+    tenant_b = replace(event, source=("tenant_b", "outbox_events"))
+    assert router.route(tenant_a).topic == "tenant_a.outbox_events.order"
+    assert router.route(tenant_b).topic == "tenant_b.outbox_events.order"
+    # The cache keeps the tables apart: the same types, another table, another topic.
+    assert router.route(tenant_a).topic == "tenant_a.outbox_events.order"
+
+
+def test_table_fields_are_made_legal_like_the_others() -> None:
+    router = Router("outbox.{schema}.{event_type}", by_table=True)
+    event = replace(captured_event(), source=("Tenant A", "outbox"))
+    assert router.route(event).topic == "outbox.Tenant_A.order.created"
+
+
+def test_mapper_gives_its_events_the_source() -> None:
+    begin, relation, insert, _ = (pgoutput.decode(m) for m in pgoutput_messages("single insert"))
+    assert isinstance(begin, Begin) and isinstance(relation, Relation)
+    assert isinstance(insert, Insert)
+    mapper = RowMapper.for_relation(relation, source=("tenant_b", "outbox_events"))
+    event = mapper.event(insert, begin)
+    assert event.source == ("tenant_b", "outbox_events")
+    assert Router("{table}-{schema}", by_table=True).route(event).topic == (
+        "outbox_events-tenant_b"
+    )
+
+
+def test_a_template_without_table_fields_ignores_the_source() -> None:
+    event = captured_event()
+    assert event.source is None
+    sourced = replace(event, source=("tenant_a", "outbox_events"))
+    for by_table in (False, True):
+        router = Router(by_table=by_table)
+        assert router.route(event) == router.route(sourced) == Router().route(event)
+
+
+@pytest.mark.parametrize("template", ["{schema}", "x.{table}", "{schema}.{table}"])
+def test_table_fields_are_refused_where_events_carry_no_table(template: str) -> None:
+    assert check_template(template) == template  # the option itself is fine
+    with pytest.raises(UsageError, match="only cdc-relay stream tells apart"):
+        Router(template)  # as poll makes it
+
+
+def test_a_message_event_cannot_be_routed_by_table() -> None:
+    event = captured_event()  # as from a logical decoding message: no source
+    with pytest.raises(SchemaError, match="belongs to no table"):
+        Router("{schema}.{aggregate_type}", by_table=True).route(event)
+
+
+@pytest.mark.parametrize("template", ["{schema!r}", "{table:>9}", "{table.x}", "{schema[0]}"])
+def test_table_fields_take_no_conversion_or_spec(template: str) -> None:
+    with pytest.raises(UsageError, match=r"\{schema\} and \{table\}"):
+        check_template(template)
+
+
+def test_fill_table_names_the_one_table_and_leaves_the_other_fields() -> None:
+    assert fill_table("{{x}}.{schema}.{table}.{aggregate_type}", "a{b}", "t") == (
+        "{{x}}.a{{b}}.t.{aggregate_type}"
+    )
+    template = fill_table("{schema}.{aggregate_type}", "tenant_b", "outbox_events")
+    assert Router(template).route(captured_event()).topic == "tenant_b.order"
