@@ -58,11 +58,13 @@ class ExactlyOnce:
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """How far the committed Kafka transactions reach in the replication stream."""
+    """How far the committed Kafka transactions reach in the replication stream, on which
+    timeline of the server (0: not known, as in checkpoints written before it was recorded)."""
 
     position: Lsn = 0
     partial_position: Lsn = 0
     partial_events: int = 0
+    timeline: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -71,6 +73,7 @@ class Checkpoint:
                 "position": self.position,
                 "partial_position": self.partial_position,
                 "partial_events": self.partial_events,
+                "timeline": self.timeline,
             }
         ).encode()
 
@@ -78,8 +81,24 @@ class Checkpoint:
     def decode(cls, value: bytes) -> Checkpoint:
         fields = json.loads(value)
         return cls(
-            int(fields["position"]), int(fields["partial_position"]), int(fields["partial_events"])
+            int(fields["position"]),
+            int(fields["partial_position"]),
+            int(fields["partial_events"]),
+            int(fields.get("timeline") or 0),
         )
+
+    def trusted_on(self, timeline: int, confirmed: Lsn) -> Checkpoint:
+        """What of this checkpoint a relay on ``timeline`` may skip, its slot confirmed up to
+        ``confirmed``. Written on another timeline (the server was promoted, or the slot made
+        anew after a promotion), its positions past the slot's may be the old primary's WAL,
+        which the new one never had: skipping there would skip the new primary's own
+        transactions. Nothing past the slot's position is skipped then; what Kafka had of it
+        comes again (duplicates, never a loss)."""
+        if not self.timeline or not timeline or self.timeline == timeline:
+            return self
+        if self.partial_position and self.partial_position <= confirmed:
+            return Checkpoint(self.position, self.partial_position, self.partial_events, timeline)
+        return Checkpoint(min(self.position, confirmed), timeline=timeline)
 
 
 class Skipper:

@@ -233,6 +233,8 @@ class StreamRelay:
         # Exactly once: how far the committed Kafka transactions reach, what a replay skips,
         # and where the stream is (exactly_once.py).
         self._committed = Checkpoint()
+        self._timeline = 0  # the server's, for the checkpoints (0: not known, on a standby)
+        self._slot_confirmed: Lsn = 0  # the slot's position at start
         self._skipper: Skipper | None = None
         self._quiet = False  # events may be skipped: waiting for a cut, or replaying
         self._last_full: Lsn = 0  # position of the last unit whose events were all produced
@@ -531,8 +533,8 @@ class StreamRelay:
     def _checkpoint(self) -> Checkpoint:
         """How far the events produced so far reach in the stream."""
         if self._unit and self._unit_events:
-            return Checkpoint(self._last_full, self._unit, self._unit_events)
-        return Checkpoint(self._last_full)
+            return Checkpoint(self._last_full, self._unit, self._unit_events, self._timeline)
+        return Checkpoint(self._last_full, timeline=self._timeline)
 
     def _commit_kafka(self) -> None:
         """Commit the open Kafka transaction with its checkpoint (its events are acknowledged
@@ -794,6 +796,10 @@ class StreamRelay:
                     "run cdc-relay setup-slot first"
                 )
             observe_slot(slot)
+            # Exactly once: the timeline its checkpoints are written on (NULL on a standby).
+            timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
+            self._timeline = int(timeline or 0)
+            self._slot_confirmed = parse_lsn(str(slot["confirmed_flush_lsn"]))
             if invalidated := failover.slot_invalidated(settings.slot, slot):
                 raise PreflightError(invalidated)
             if slot["plugin"] not in PLUGINS:
@@ -868,7 +874,19 @@ class StreamRelay:
             self._require_conn().send_status(self._received, 0)
         if failed:
             raise failed[0]
-        self._committed = found[0]
+        self._committed = found[0].trusted_on(self._timeline, self._slot_confirmed)
+        if self._committed != found[0]:
+            log.warning(
+                "exactly once: the checkpoint of %s was written on timeline %d and the server "
+                "is on timeline %d (promoted since): past the slot's position %s it may name "
+                "WAL the old primary had and this one never did, so nothing past it is skipped; "
+                "events Kafka already had from there are published again",
+                eos.transactional_id,
+                found[0].timeline,
+                self._timeline,
+                format_lsn(self._slot_confirmed),
+                extra={"action": "checkpoint_other_timeline"},
+            )
         self._skipper = Skipper(self._committed)
         self._quiet = True
         self._last_full = self._committed.position

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from confluent_kafka import Consumer, KafkaError
+from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import (
     AclBinding,
     AclOperation,
@@ -815,3 +815,41 @@ def test_an_event_on_a_topic_the_principal_may_not_write_is_found_and_named(
         assert SCENARIOS["denied"].remedy in last
         assert [r.id for r in main] == [before.id]  # once; nothing from the culprit on
         assert letters == []
+
+
+def test_a_checkpoint_of_another_timeline_skips_nothing_past_the_slot(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """After a promotion the checkpoint Kafka holds may name WAL of the old primary beyond what
+    the new one ever had (asynchronous replication), and the new primary's own transactions
+    take those positions: skipped by the checkpoint, they would be lost. Here the checkpoint
+    comes from another timeline and reaches far past the new slot's position: every event the
+    new slot decodes must still be published."""
+    from cdc_relay.exactly_once import Checkpoint, ensure_topic
+    from cdc_relay.sink import producer_config
+
+    setup_slot(outbox_db, names)
+    topic = f"{names.topic_prefix}_checkpoints"
+    config = producer_config(kafka_service.bootstrap, {})
+    ensure_topic(config, topic, 30)
+    confirmed = parse_lsn(slot_row(outbox_db, names.slot)["confirmed"])
+    old = Checkpoint(confirmed + 2**30, confirmed + 2**30 + 4096, 3, timeline=99)
+    producer = Producer({"bootstrap.servers": kafka_service.bootstrap})
+    producer.produce(topic, old.encode(), f"cdc-relay-{names.slot}".encode())
+    assert producer.flush(30) == 0
+    relay = eos_relay(tmp_path, outbox_db, kafka_service, names).start()
+    writer = Writer(outbox_db)
+    try:
+        for n in range(20):
+            writer.transaction([("order", f"o{n % 4}", {"n": n}), ("customer", "c1", {"n": n})])
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=40)
+        assert relay.stop() == 0
+    finally:
+        writer.close()
+        relay.close()
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == [], relay.log()[-3000:]
+    assert verdict.duplicates == 0
+    assert verdict.out_of_order == []
+    assert "was written on timeline 99 and the server is on timeline 1" in relay.log()
