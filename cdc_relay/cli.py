@@ -181,7 +181,8 @@ _CHECKPOINT_TOPIC = _option(
     "--checkpoint-topic",
     default=DEFAULT_CHECKPOINT_TOPIC,
     show_default=True,
-    help="The compacted topic of stream --exactly-once's checkpoints.",
+    help="The compacted topic of stream --exactly-once's checkpoints (stream and setup-slot "
+    "--exactly-once create it if missing).",
 )
 
 
@@ -274,71 +275,80 @@ def log_options(func: F) -> F:
     )(func)
 
 
-def kafka_options(required: bool = True) -> Callable[[F], F]:
-    """Where and how events are published: every command that publishes takes the same."""
+# The options of kafka_options that say what an event looks like on Kafka, beyond its topic:
+# only commands that publish take them.
+_WIRE = ("--tombstone-on-empty-payload", "--cloudevents", "--cloudevents-source")
+
+
+def kafka_options(
+    required: bool = True, *, topics: bool = True, wire: bool = True
+) -> Callable[[F], F]:
+    """Where and how events are published: every command that publishes takes the same; one
+    that only reads Kafka takes the connection (and, with ``topics``, the topic template)."""
 
     def decorate(func: F) -> F:
-        for option in reversed(
-            [
-                _option(
-                    "--kafka-bootstrap",
-                    required=required,
-                    help="Kafka bootstrap servers, host:port[,host:port...].",
-                ),
-                _option(
-                    "--kafka-config",
-                    multiple=True,
-                    metavar="KEY=VALUE",
-                    help="A librdkafka setting (repeatable), e.g. security.protocol=SASL_SSL; "
-                    "key: value and key value work too. Passwords go in "
-                    "CDC_RELAY_KAFKA_SASL_PASSWORD or the file, not here.",
-                ),
-                _option(
-                    "--kafka-config-file",
-                    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                    help="A properties file of librdkafka settings (key=value, key: value or "
-                    "key value, as Java reads them); --kafka-config wins over it.",
-                ),
-                _option(
-                    "--topic-template",
-                    default=DEFAULT_TOPIC_TEMPLATE,
-                    show_default=True,
-                    callback=_topic_template,
-                    help="Topic of each event; may use {aggregate_type} and {event_type} (stream "
-                    "also {schema} and {table}, of the event's outbox table), as they are (no "
-                    "conversion or format spec), and {{ }} for braces.",
-                ),
-                _option(
-                    "--tombstone-on-empty-payload",
-                    is_flag=True,
-                    help="Publish NULL and empty payloads as tombstones (null value); without "
-                    "it a NULL payload stops the relay.",
-                ),
-                _option(
-                    "--kafka-timeout",
-                    type=Seconds(0.1, 3600),
-                    default=15.0,
-                    show_default=True,
-                    help="Seconds to wait for a broker to answer at start-up.",
-                ),
-                _option(
-                    "--cloudevents",
-                    "cloudevents_enabled",
-                    is_flag=True,
-                    help="Add the CloudEvents headers of the Kafka binding's binary mode "
-                    "(ce_specversion, ce_id, ce_source, ce_type, ce_time from created_at, "
-                    "ce_subject from aggregate_id, content-type); key and value stay as they are.",
-                ),
-                _option(
-                    "--cloudevents-source",
-                    metavar="URI-REFERENCE",
-                    callback=_cloudevents_source,
-                    help="ce_source of every event, with --cloudevents; default "
-                    "/cdc-relay/<database>/<schema>.<table> of the outbox table.",
-                ),
-            ]
-        ):
-            func = option(func)
+        options = {
+            "--kafka-bootstrap": _option(
+                "--kafka-bootstrap",
+                required=required,
+                help="Kafka bootstrap servers, host:port[,host:port...].",
+            ),
+            "--kafka-config": _option(
+                "--kafka-config",
+                multiple=True,
+                metavar="KEY=VALUE",
+                help="A librdkafka setting (repeatable), e.g. security.protocol=SASL_SSL; "
+                "key: value and key value work too. Passwords go in "
+                "CDC_RELAY_KAFKA_SASL_PASSWORD or the file, not here.",
+            ),
+            "--kafka-config-file": _option(
+                "--kafka-config-file",
+                type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                help="A properties file of librdkafka settings (key=value, key: value or "
+                "key value, as Java reads them); --kafka-config wins over it.",
+            ),
+            "--topic-template": _option(
+                "--topic-template",
+                default=DEFAULT_TOPIC_TEMPLATE,
+                show_default=True,
+                callback=_topic_template,
+                help="Topic of each event; may use {aggregate_type} and {event_type} (stream "
+                "also {schema} and {table}, of the event's outbox table), as they are (no "
+                "conversion or format spec), and {{ }} for braces.",
+            ),
+            "--tombstone-on-empty-payload": _option(
+                "--tombstone-on-empty-payload",
+                is_flag=True,
+                help="Publish NULL and empty payloads as tombstones (null value); without "
+                "it a NULL payload stops the relay.",
+            ),
+            "--kafka-timeout": _option(
+                "--kafka-timeout",
+                type=Seconds(0.1, 3600),
+                default=15.0,
+                show_default=True,
+                help="Seconds to wait for a broker to answer at start-up.",
+            ),
+            "--cloudevents": _option(
+                "--cloudevents",
+                "cloudevents_enabled",
+                is_flag=True,
+                help="Add the CloudEvents headers of the Kafka binding's binary mode "
+                "(ce_specversion, ce_id, ce_source, ce_type, ce_time from created_at, "
+                "ce_subject from aggregate_id, content-type); key and value stay as they are.",
+            ),
+            "--cloudevents-source": _option(
+                "--cloudevents-source",
+                metavar="URI-REFERENCE",
+                callback=_cloudevents_source,
+                help="ce_source of every event, with --cloudevents; default "
+                "/cdc-relay/<database>/<schema>.<table> of the outbox table.",
+            ),
+        }
+        left_out = (() if topics else ("--topic-template",)) + (() if wire else _WIRE)
+        for name, option in reversed(options.items()):
+            if name not in left_out:
+                func = option(func)
         return func
 
     return decorate
@@ -690,7 +700,7 @@ def schema_apply(name: str, dsn: str) -> None:
 @cli.command("trace")
 @click.argument("event_id")
 @database_options
-@kafka_options()
+@kafka_options(wire=False)
 @_option(
     "--message-prefix",
     default="outbox",
@@ -735,7 +745,6 @@ def trace_command(
     max_messages: int,
     clock_skew: float,
     as_json: bool,
-    **_: Any,
 ) -> None:
     """Say where event EVENT_ID is: its row, the slot, the poller, Kafka.
 
@@ -881,7 +890,7 @@ def reshard_command(
     help="The transactional id of --exactly-once.  [default: cdc-relay-SLOT]",
 )
 @_CHECKPOINT_TOPIC
-@kafka_options(required=False)
+@kafka_options(required=False, topics=False, wire=False)
 def status_command(
     dsn: str,
     slot: str,
@@ -902,7 +911,6 @@ def status_command(
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
     kafka_timeout: float,
-    **_: Any,
 ) -> None:
     """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
 
@@ -1067,12 +1075,7 @@ def _count(value: int | None) -> str:
     help="The Kafka transactional id of --exactly-once; a relay starting with it fences the "
     "one before.  [default: cdc-relay-SLOT]",
 )
-@_option(
-    "--checkpoint-topic",
-    default=DEFAULT_CHECKPOINT_TOPIC,
-    show_default=True,
-    help="The compacted topic of --exactly-once's checkpoints (created if missing).",
-)
+@_CHECKPOINT_TOPIC
 @_option(
     "--transaction-interval",
     type=Seconds(0.001, 60),
