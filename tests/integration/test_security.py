@@ -630,7 +630,7 @@ def test_passwords_never_show_in_logs_metrics_errors_or_the_process_list(
     finally:
         relay.close()
     seen.append(relay.log())
-    assert "kafka unreachable" in seen[-1]
+    assert "Kafka unreachable" in seen[-1]
 
     # Failures that name or touch a password: each one line, none showing it.
     failures = {
