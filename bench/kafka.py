@@ -211,7 +211,9 @@ class LiveReader:
         first = self.first_read
         try:
             while not self._stop.is_set():
-                batch = self._consumer.consume(10_000, timeout=0.05)
+                # A short timeout: the time taken is when the batch comes back, and a batch
+                # that is not full may come back only at its timeout.
+                batch = self._consumer.consume(10_000, timeout=0.005)
                 now = time.time()
                 for msg in batch:
                     err = msg.error()
