@@ -788,16 +788,16 @@ class StreamRelay:
         with connect(settings.dsn) as conn:
             check_encoding(conn.execute(QUERIES["server"]).fetchone() or {})
             slot = conn.execute(QUERIES["slot"], {"slot": settings.slot}).fetchone()
+            # The server's timeline: what a missing slot means, and the exactly-once
+            # checkpoints' (NULL on a standby).
+            timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
             if not slot:
-                timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
                 raise PreflightError(
                     failover.slot_gone(settings.slot, timeline)
                     or f"replication slot {settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
                 )
             observe_slot(slot)
-            # Exactly once: the timeline its checkpoints are written on (NULL on a standby).
-            timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
             self._timeline = int(timeline or 0)
             self._slot_confirmed = parse_lsn(str(slot["confirmed_flush_lsn"]))
             if invalidated := failover.slot_invalidated(settings.slot, slot):
