@@ -356,13 +356,15 @@ class TransactionalSink(KafkaSink):
         transactional_id: str,
         checkpoint_topic: str,
         timeout: float = 30.0,
+        start_timeout: float = 30.0,
     ) -> None:
         settings = {**config, "transactional.id": transactional_id}
         settings.pop("enable.gapless.guarantee", None)  # an aborted transaction does that job
         super().__init__(settings, on_ack, on_refused, relay="stream")
         self._topic = checkpoint_topic
         self._key = transactional_id.encode()
-        self._timeout = timeout
+        self._timeout = timeout  # for a transaction to commit or abort
+        self._start_timeout = start_timeout  # for a coordinator to set up transactions
         self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
         self._purged: list[Any] = []  # tokens of the open transaction purged, not refused
         self._refused_in_commit = False  # the commit failed on a refusal of one message
@@ -376,13 +378,13 @@ class TransactionalSink(KafkaSink):
     def initialise(self) -> None:
         """Fence older producers of this transactional id and abort their open transaction."""
         try:
-            self._producer.init_transactions(self._timeout)
+            self._producer.init_transactions(self._start_timeout)
         except KafkaException as exc:
             err = exc.args[0]
             if err.code() == KafkaError._TIMED_OUT or (err.retriable() and not _fenced(err)):
                 # No transaction coordinator answered in time: say why, if the brokers tell.
                 raise PreflightError(
-                    transactions_unavailable(self._config, self._key.decode(), self._timeout)
+                    transactions_unavailable(self._config, self._key.decode(), self._start_timeout)
                 ) from None
             self._fail(err)
         self._initialised = True

@@ -189,6 +189,7 @@ class StreamRelay:
                 on_refused=self._refused,
                 transactional_id=self._eos.transactional_id,
                 checkpoint_topic=self._eos.checkpoint_topic,
+                start_timeout=settings.kafka_timeout,
             )
         self.dead_letters = (
             DeadLetters(settings.dsn, settings.slot, settings.dead_letter_topic)
@@ -874,22 +875,8 @@ class StreamRelay:
             self._require_conn().send_status(self._received, 0)
         if failed:
             raise failed[0]
-        self._committed = found[0].trusted_on(self._timeline, self._slot_confirmed)
-        if self._committed != found[0]:
-            log.warning(
-                "exactly once: the checkpoint of %s was written on timeline %d and the server "
-                "is on timeline %d (promoted since): past the slot's position %s it may name "
-                "WAL the old primary had and this one never did, so nothing past it is skipped; "
-                "events Kafka already had from there are published again",
-                eos.transactional_id,
-                found[0].timeline,
-                self._timeline,
-                format_lsn(self._slot_confirmed),
-                extra={"action": "checkpoint_other_timeline"},
-            )
-        self._skipper = Skipper(self._committed)
+        self._trust(eos, found[0], self._slot_confirmed)
         self._quiet = True
-        self._last_full = self._committed.position
         log.info(
             "exactly once: transactional id %s; Kafka holds the stream up to %s%s",
             eos.transactional_id,
@@ -900,6 +887,47 @@ class StreamRelay:
             else "",
             extra={"action": "checkpoint", "lsn": format_lsn(self._committed.position)},
         )
+
+    def _trust(self, eos: ExactlyOnce, checkpoint: Checkpoint, confirmed: Lsn) -> None:
+        """Hold ``checkpoint`` as what Kafka has, as far as the server's timeline allows
+        (Checkpoint.trusted_on): the replay skips that."""
+        self._committed = checkpoint.trusted_on(self._timeline, confirmed)
+        if self._committed != checkpoint:
+            log.warning(
+                "exactly once: the checkpoint of %s was written on timeline %d and the server "
+                "is on timeline %d (promoted since): past the slot's position %s it may name "
+                "WAL the old primary had and this one never did, so nothing past it is skipped; "
+                "events Kafka already had from there are published again",
+                eos.transactional_id,
+                checkpoint.timeline,
+                self._timeline,
+                format_lsn(confirmed),
+                extra={"action": "checkpoint_other_timeline"},
+            )
+        self._skipper = Skipper(self._committed)
+        self._last_full = self._committed.position
+
+    def _follow_timeline(self) -> None:
+        """Exactly once, reconnected: the server may be another one, promoted since (a
+        multi-host DSN, an address moved to the standby). Its timeline goes into the
+        checkpoints from now on, and the checkpoint held is trusted on it as at start."""
+        eos = self._eos
+        if eos is None:
+            return
+        with connect(self.settings.dsn) as conn:
+            row = conn.execute(QUERIES["timeline"]).fetchone() or {}
+            slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
+        timeline = int(row.get("timeline") or 0)
+        if timeline == self._timeline or slot is None:
+            return  # the same server's history (a missing slot: the stream itself says so)
+        log.info(
+            "exactly once: the server is on timeline %d now (was %d)",
+            timeline,
+            self._timeline,
+            extra={"action": "timeline", "timeline": timeline},
+        )
+        self._timeline = timeline
+        self._trust(eos, self._committed, parse_lsn(str(slot["confirmed_flush_lsn"])))
 
     def _start_after_cut(
         self, conn: psycopg.Connection[dict[str, Any]], shard: Shard, confirmed: str
@@ -1054,9 +1082,11 @@ class StreamRelay:
         while not self._stop:
             try:
                 self._conn = self._open()
+                self._follow_timeline()
             except PreflightError:
                 raise  # the slot is gone or unusable: retrying would not bring it back
-            except (ConnectionLost, RelayError) as exc:
+            except (ConnectionLost, RelayError, psycopg.OperationalError) as exc:
+                self._close_conn()
                 log.warning(
                     "reconnect failed, retrying in %.1fs: %s",
                     delay,

@@ -29,7 +29,9 @@ from relaytools import (
 )
 
 from cdc_relay.devstack.postgres import LocalPostgres
+from cdc_relay.exactly_once import read_checkpoint, transactional_id
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.sink import producer_config
 
 pytestmark = pytest.mark.integration
 
@@ -151,16 +153,23 @@ def _synchronised(pair: Pair, slot: str) -> bool:
     return _copy(pair.standby, slot)[0]
 
 
+@pytest.mark.parametrize("exactly_once", [False, True], ids=["at-least-once", "exactly-once"])
 def test_stream_follows_the_promoted_standby_from_its_synchronised_slot(
-    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any
+    tmp_path: Path, pair: Pair, kafka_service: Any, names: Any, exactly_once: bool
 ) -> None:
+    """Exactly once as well: the relay reconnects to the promoted server in the middle of its
+    Kafka transactions; a read_committed consumer sees every event once, and the checkpoints
+    written from then on name the new timeline (a later restart trusts them whole)."""
     created = _setup_slot(pair.dsn, names)
     print(created.stdout)
     assert created.returncode == 0, created.stdout + created.stderr
     assert f"ok: slot {names.slot} has failover = true" in created.stdout
     assert "missing" not in created.stdout
 
-    relay = RelayProcess(tmp_path, relay_env(pair.dsn, kafka_service.bootstrap, names)).start()
+    checkpoints = f"{names.topic_prefix}_checkpoints"
+    eos = {"exactly_once": "1", "checkpoint_topic": checkpoints} if exactly_once else {}
+    env = relay_env(pair.dsn, kafka_service.bootstrap, names, **eos)
+    relay = RelayProcess(tmp_path, env).start()
     streaming = time.monotonic()
     load = Load(pair.dsn, writers=3, pause=0.002, reconnect=True).start()
     try:
@@ -221,6 +230,12 @@ def test_stream_follows_the_promoted_standby_from_its_synchronised_slot(
     assert verdict.mismatched == []
     assert verdict.duplicates <= unconfirmed
     assert recovery is not None and recovery < 60
+    if exactly_once:
+        assert verdict.duplicates == 0
+        assert "the server is on timeline 2 now (was 1)" in relay.log()
+        config = producer_config(kafka_service.bootstrap, {})
+        held = read_checkpoint(config, checkpoints, transactional_id(names.slot), 30)
+        assert held.timeline == 2, held
 
 
 def _processed(pair: Pair) -> int:
