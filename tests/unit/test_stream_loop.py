@@ -15,7 +15,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from confluent_kafka import KafkaError
 from cdc_relay import pgoutput
 from cdc_relay.deadletter import DeadLetters
 from cdc_relay.errors import DeliveryError
-from cdc_relay.events import Commit, Insert, Record, Relation
+from cdc_relay.events import Begin, Commit, Insert, Record, Relation
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message
@@ -83,6 +83,7 @@ class Wal:
         self.lose_after: int | None = None  # the next connection is lost after so many reads
         self.lost_after_commit: Lsn | None = None  # the end of the last Commit read before
         self.on_idle: Callable[[], object] = lambda: None  # the test's look, at each keepalive
+        self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
         self.connections: list[Connection] = []
         self.born = time.monotonic()
 
@@ -99,16 +100,6 @@ class Wal:
         """The end of the transaction before that of ``event``."""
         return max((end for end, _ in self.units if end < self.end_of(event)), default=0)
 
-    def confirmable(self, acked: Collection[str]) -> Lsn:
-        """The end of the last transaction all of whose events, and those of every earlier
-        one, are among ``acked``: the LSN rule's position."""
-        position: Lsn = 0
-        for end, unit in self.units:
-            if any((i := record_id(r)) and i not in acked for _, r in unit):
-                break
-            position = end
-        return position
-
     def flushed(self) -> list[Lsn]:
         return [flushed for _, flushed in self.statuses]
 
@@ -118,7 +109,7 @@ class Connection:
 
     def __init__(self, wal: Wal) -> None:
         self.wal = wal
-        self.queue: deque[XLogData] = deque()
+        self.queue: deque[XLogData | None] = deque()  # None: nothing to read for a moment
         self.closed = False
         self.lose_after: int | None = None
         self.last_commit: Lsn | None = None
@@ -136,6 +127,8 @@ class Connection:
                     relations[record.relid] = data
                 if end <= start:
                     continue  # confirmed: the walsender sends what commits after it
+                if end in wal.pauses and isinstance(record, Begin):
+                    self.queue.append(None)
                 if isinstance(record, Relation):
                     sent.add(record.relid)
                 elif isinstance(record, Insert) and record.relid not in sent:
@@ -154,7 +147,7 @@ class Connection:
             self.lose_after -= 1
         if self.queue:
             message = self.queue.popleft()
-            if message.data[:1] == b"C":
+            if message is not None and message.data[:1] == b"C":
                 self.last_commit = message.wal_end
             return message
         wal.on_idle()
@@ -183,7 +176,6 @@ class Sink:
         self.offered: list[tuple[str, int]] = []  # (event id, messages in flight beside it)
         self.acked: list[Message] = []
         self.refused: list[tuple[str, int, int]] = []  # (event id, error code, batch size)
-        self.acked_before_refusal: list[str] | None = None  # acknowledged before the first
         self.full = 0  # offers turned away: the queue was full
         self.hold: set[str] = set()  # event ids not reported while here
         self.hold_all = False
@@ -256,8 +248,6 @@ class Sink:
             ),
             None,
         )
-        if code is not None and self.acked_before_refusal is None:
-            self.acked_before_refusal = [event_id(message) for message in self.acked]
         for message, token in batch:
             if code is None:
                 self.acked.append(message)
@@ -414,7 +404,9 @@ def test_a_refused_batch_rewinds_and_the_culprit_alone_stops_the_relay() -> None
     relay, sink = relay_on(wal)
     culprit = wal.event_ids[POISON]
     sink.poison[culprit] = KafkaError.MSG_SIZE_TOO_LARGE
-    # Its transaction's first events wait for it: one batch holds them, it and what follows.
+    # The stream pauses before its transaction, so what came before is acknowledged; the
+    # transaction's first events wait for it: one batch holds them, it and what follows.
+    wal.pauses.add(wal.end_of(culprit))
     before = wal.event_ids[POISON - 3 : POISON]
     sink.hold.update(before)
     sink.on_poll = lambda: culprit in sink.in_queue() and sink.hold.clear()
@@ -431,10 +423,8 @@ def test_a_refused_batch_rewinds_and_the_culprit_alone_stops_the_relay() -> None
     assert refusals[0] > 4
     assert refusals[-1] == 1
     assert (culprit, 0) in sink.offered  # sent with nothing else in flight
-    # The replay starts at the confirmed position: where the acknowledged events reached.
-    assert sink.acked_before_refusal is not None
-    assert wal.starts == [0, wal.confirmable(sink.acked_before_refusal)]
-    assert wal.starts[1] <= wal.before(culprit)
+    # The replay starts at the confirmed position: the end of the transaction before.
+    assert wal.starts == [0, wal.before(culprit)]
     # Its neighbours in the refused batch were sent alone too, and delivered; everything
     # before it is delivered, in order, and nothing after it.
     assert {refused for refused, _, _ in sink.refused} > {culprit, *before}
