@@ -232,14 +232,13 @@ class Sink:
         """Report what is not held: refused, all of it, if a poisoned message is in it (Kafka
         refuses the whole batch for one bad record, and the gapless guarantee stops the
         producer); acknowledged otherwise. How many were reported."""
-        batch = [
-            (message, token)
-            for message, token in self.queue
-            if not (self.hold_all or event_id(message) in self.hold)
-        ]
+        batch: list[tuple[Message, Any]] = []
+        held: list[tuple[Message, Any]] = []
+        for entry in self.queue:
+            (held if self.hold_all or event_id(entry[0]) in self.hold else batch).append(entry)
         if not batch:
             return 0
-        self.queue = [entry for entry in self.queue if entry not in batch]
+        self.queue = held
         code = next(
             (
                 self.poison[event_id(m)]
