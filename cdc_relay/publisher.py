@@ -17,6 +17,7 @@ from cdc_relay.sink import KafkaSink
 
 if TYPE_CHECKING:  # the poller imports this module
     from cdc_relay.poller import OutboxRow, PollSettings
+    from cdc_relay.stages import Sink
 
 WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka
 
@@ -40,7 +41,7 @@ class Publisher:
         self.router = Router(
             settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
         )
-        self.sink = KafkaSink(
+        self.sink: Sink = KafkaSink(
             settings.kafka_config, on_ack=self._acked, relay="poll", on_refused=self._refused
         )
         self.acked: set[int] = set()

@@ -80,6 +80,14 @@ from cdc_relay.slot import (
     coverage_problem,
     find_table,
 )
+from cdc_relay.stages import (
+    DeadLetterStore,
+    OpenDeadLetters,
+    OpenSink,
+    OpenSource,
+    Sink,
+    Source,
+)
 from cdc_relay.wal2json import Wal2JsonDecoder
 from cdc_relay.watch import Watcher
 
@@ -164,9 +172,23 @@ def _tables(tables: Sequence[OutboxTable]) -> str:
 
 
 class StreamRelay:
-    """Streams one slot to Kafka until stopped; confirms only acknowledged positions."""
+    """Streams one slot to Kafka until stopped; confirms only acknowledged positions.
 
-    def __init__(self, settings: StreamSettings, health: Health | None = None) -> None:
+    The stages are injected (cdc_relay.stages), the real ones by default: ``open_source``
+    makes the replication source from the DSN, ``open_sink`` the idempotent sink from the
+    relay's report callbacks (exactly once always runs its TransactionalSink), and
+    ``open_dead_letters`` the store of ``--dead-letter-topic``.
+    """
+
+    def __init__(
+        self,
+        settings: StreamSettings,
+        health: Health | None = None,
+        *,
+        open_source: OpenSource = ReplicationConnection,
+        open_sink: OpenSink | None = None,
+        open_dead_letters: OpenDeadLetters = DeadLetters,
+    ) -> None:
         self.settings = settings
         self.health = health or Health()
         self.tracker = LsnTracker()
@@ -177,12 +199,9 @@ class StreamRelay:
             by_table=True,
         )
         self._eos = settings.exactly_once
-        self.sink: KafkaSink
-        if self._eos is None:
-            self.sink = KafkaSink(
-                settings.kafka_config, on_ack=self._acked, on_refused=self._refused
-            )
-        else:
+        self._open_source = open_source
+        self.sink: Sink
+        if self._eos is not None:
             self.sink = self._transactions = TransactionalSink(
                 settings.kafka_config,
                 on_ack=self._acked,
@@ -191,8 +210,14 @@ class StreamRelay:
                 checkpoint_topic=self._eos.checkpoint_topic,
                 start_timeout=settings.kafka_timeout,
             )
-        self.dead_letters = (
-            DeadLetters(settings.dsn, settings.slot, settings.dead_letter_topic)
+        elif open_sink is not None:
+            self.sink = open_sink(self._acked, self._refused)
+        else:
+            self.sink = KafkaSink(
+                settings.kafka_config, on_ack=self._acked, on_refused=self._refused
+            )
+        self.dead_letters: DeadLetterStore | None = (
+            open_dead_letters(settings.dsn, settings.slot, settings.dead_letter_topic)
             if settings.dead_letter_topic
             else None
         )
@@ -207,7 +232,7 @@ class StreamRelay:
         self._relations: dict[int, str] = {}  # relid -> name, for messages about other tables
         self._bytea_types: frozenset[int] = frozenset({BYTEA_OID})  # and its domains
         self._stop = False
-        self._conn: ReplicationConnection | None = None
+        self._conn: Source | None = None
         self._mappers: dict[int, RowMapper | None] = {}
         self._begin: Begin | None = None
         self._transaction: Transaction | None = None
@@ -329,6 +354,27 @@ class StreamRelay:
             },
         )
         try:
+            self._loop()
+        finally:
+            watcher.stop()
+            if self.dead_letters is not None:
+                self.dead_letters.close()
+
+    def stream(self, tables: Sequence[OutboxTable], plugin: str = "pgoutput") -> None:
+        """The loop alone, with the database's checks taken as passed: ``tables`` as ``run``
+        finds them, no watcher, no exactly once. For the loop's unit tests, which inject
+        in-memory stages (tests/unit/test_stream_loop.py)."""
+        self._tables, self._plugin = tuple(tables), plugin
+        self._conn = self._acquire()
+        if self._conn is not None:
+            self._loop()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        """Pump the open stream until stopped: a lost connection reconnects, a refusal
+        rewinds; then the graceful stop (invariant 8)."""
+        try:
             while not self._stop:
                 try:
                     self._pump()
@@ -341,11 +387,6 @@ class StreamRelay:
             pass
         finally:
             self._shutdown()
-            watcher.stop()
-            if self.dead_letters is not None:
-                self.dead_letters.close()
-
-    # -- the loop -------------------------------------------------------------------------
 
     def _pump(self) -> None:
         conn = self._require_conn()
@@ -951,7 +992,7 @@ class StreamRelay:
                 extra={"action": "cut_waiting", "slot": self.settings.slot},
             )
 
-    def _open(self) -> ReplicationConnection:
+    def _open(self) -> Source:
         """Connect and start streaming; decoder state starts afresh with each connection."""
         if self._plugin == "wal2json":
             self._decode = Wal2JsonDecoder(self._bytea_types).decode
@@ -969,7 +1010,7 @@ class StreamRelay:
                 "publication_names": self.settings.publication,
                 "messages": "true",
             }
-        conn = ReplicationConnection(self.settings.dsn)
+        conn = self._open_source(self.settings.dsn)
         try:
             conn.start(self.settings.slot, self.tracker.safe_lsn, options)
         except BaseException:
@@ -978,7 +1019,7 @@ class StreamRelay:
         self._last_status = 0.0
         return conn
 
-    def _acquire(self) -> ReplicationConnection | None:
+    def _acquire(self) -> Source | None:
         """Open the stream. As a standby, wait while another relay holds the slot: PostgreSQL
         frees it as soon as that relay's connection ends, and this one takes over."""
         while not self._stop:
@@ -1141,7 +1182,7 @@ class StreamRelay:
             self._conn.close()
             self._conn = None
 
-    def _require_conn(self) -> ReplicationConnection:
+    def _require_conn(self) -> Source:
         if self._conn is None:
             raise ConnectionLost("not connected")
         return self._conn

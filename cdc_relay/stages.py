@@ -1,0 +1,102 @@
+"""The stages the CDC loop is wired from, as the loop uses them.
+
+``stream.py`` takes each stage by injection, the real one by default: the replication source
+(replication.py), the sink (sink.py; the poller's publisher.py uses the same one) and the
+dead-letter store (deadletter.py). A unit test gives it in-memory ones and runs the loop with
+no database and no broker (tests/unit/test_stream_loop.py).
+
+Narrow on purpose: exactly what the loop and the publisher call, no more; ``mypy --strict``
+proves that the real classes satisfy them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import psycopg
+from confluent_kafka import KafkaError
+
+from cdc_relay.lsn import Lsn
+from cdc_relay.replication import Keepalive, XLogData
+from cdc_relay.routing import Message
+from cdc_relay.sink import Acked, Refused
+
+
+class Source(Protocol):
+    """A logical replication stream. ``start``, ``read`` and ``send_status`` raise
+    ConnectionLost when the connection is gone; ``start`` raises SlotInUseError while another
+    process holds the slot, and PreflightError when the slot is gone or unusable."""
+
+    def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
+        """Stream ``slot`` from max(``start_lsn``, its confirmed position)."""
+
+    def read(self, timeout: float) -> XLogData | Keepalive | None:
+        """The next message, or None if none came within ``timeout`` seconds."""
+
+    def send_status(self, written: Lsn, flushed: Lsn) -> None:
+        """Standby status update: ``flushed`` becomes the slot's confirmed position."""
+
+    def close(self) -> None:
+        """End the stream; the slot is free at once."""
+
+
+class Sink(Protocol):
+    """Produces routed messages; reports each with the caller's token to the ``on_ack`` and
+    ``on_refused`` it was made with (cdc_relay.sink.KafkaSink says when)."""
+
+    @property
+    def connected(self) -> bool:
+        """A broker connection is up (readiness)."""
+
+    @property
+    def broken(self) -> bool:
+        """It stopped after a refused batch (the gapless guarantee)."""
+
+    def offer(self, message: Message, token: Any) -> bool:
+        """Hand over ``message``; False when the queue is full (poll, then offer again)."""
+
+    def poll(self, timeout: float) -> None:
+        """Serve delivery reports; raise DeliveryError if the sink failed for good."""
+
+    def settle(self, timeout: float) -> None:
+        """Serve delivery reports until none is outstanding, for up to ``timeout`` seconds."""
+
+    def in_flight(self) -> int:
+        """Messages handed over and not yet reported."""
+
+    def renew(self) -> None:
+        """Drop what it holds (each gets its refusal report) and start afresh."""
+
+    def check_reachable(self, timeout: float) -> None:
+        """Raise KafkaUnavailableError, with a remedy, when no broker answers."""
+
+    def close(self) -> int:
+        """Close; return how many messages were still unacknowledged."""
+
+
+class DeadLetterStore(Protocol):
+    """Where the stream's culprit goes with ``--dead-letter-topic`` (cdc_relay.deadletter)."""
+
+    @property
+    def topic(self) -> str:
+        """The dead-letter topic."""
+
+    def check(self, conn: psycopg.Connection[dict[str, Any]]) -> None:
+        """Raise PreflightError when the store cannot be written (at start)."""
+
+    def store(self, message: Message, err: KafkaError) -> None:
+        """Keep the event with its content before the slot moves past it."""
+
+    def letter(self, message: Message, err: KafkaError, with_value: bool) -> Message:
+        """The dead-letter message for ``message``, with its payload or without."""
+
+    def close(self) -> None:
+        """Release what it holds."""
+
+
+# The factories ``StreamRelay`` takes: a source from the DSN (not started yet), a sink from
+# its two report callbacks, a dead-letter store from the DSN, the slot and the topic.
+OpenSource = Callable[[str], Source]
+OpenSink = Callable[[Acked, Refused], Sink]
+OpenDeadLetters = Callable[[str, str, str], DeadLetterStore]

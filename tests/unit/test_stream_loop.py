@@ -1,0 +1,497 @@
+"""The CDC loop (``StreamRelay``) on in-memory stages: no database, no broker.
+
+The source replays real pgoutput messages captured from PostgreSQL (tests/unit/data and the
+backlog of bench/data) the way a walsender streams them: from a start position, each
+relation's schema again before its first row on a new connection, a keepalive when idle. The
+sink holds what it is offered until the loop polls, then acknowledges each message or refuses
+it with a real KafkaError, as the test says. What these prove is the loop's own logic
+(ARCHITECTURE.md: the LSN rule and invariants 2, 4, 6, 7, 8); the integration suite proves
+the same against PostgreSQL and Kafka.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from capture import pgoutput_messages
+from confluent_kafka import KafkaError
+
+from cdc_relay import pgoutput
+from cdc_relay.deadletter import DeadLetters
+from cdc_relay.errors import DeliveryError
+from cdc_relay.events import Begin, Commit, Insert, Record, Relation
+from cdc_relay.lsn import Lsn
+from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
+from cdc_relay.routing import Message
+from cdc_relay.slot import OutboxTable
+from cdc_relay.stream import StreamRelay, StreamSettings
+
+BACKLOG = Path(__file__).parents[2] / "bench" / "data" / "pgoutput-backlog.jsonl"
+DEAD = "outbox.dead"  # the dead-letter topic
+WATCHDOG = 10.0  # seconds: a loop that never ends fails its test instead of hanging it
+
+
+def backlog() -> list[bytes]:
+    """50 transactions of 10 inserts, captured from PostgreSQL 15."""
+    return [bytes.fromhex(json.loads(line)["hex"]) for line in BACKLOG.read_text().splitlines()]
+
+
+def event_id(message: Message) -> str:
+    return dict(message.headers)["id"].decode()
+
+
+def record_id(record: Record) -> str | None:
+    """The id of the event an insert carries (the first column, ``id``)."""
+    if isinstance(record, Insert) and isinstance(record.values[0], bytes):
+        return record.values[0].decode()
+    return None
+
+
+def first_seen(ids: Sequence[str]) -> list[str]:
+    """``ids`` without the repeats, each where it first came."""
+    return list(dict.fromkeys(ids))
+
+
+class Wal:
+    """The server's side: captured messages in units of the stream (a transaction, Begin to
+    Commit), and what the relay asked of it and told it."""
+
+    def __init__(self, raw: Sequence[bytes]) -> None:
+        self.units: list[tuple[Lsn, list[tuple[bytes, Record]]]] = []  # (end, messages)
+        unit: list[tuple[bytes, Record]] = []
+        for data in raw:
+            record = pgoutput.decode(data)
+            unit.append((data, record))
+            if isinstance(record, Commit):
+                self.units.append((record.end_lsn, unit))
+                unit = []
+        assert not unit
+        self.end = self.units[-1][0] + 100  # the keepalives' position: nothing written after
+        relation = next(r for _, u in self.units for _, r in u if isinstance(r, Relation))
+        self.tables = (OutboxTable(relation.relid, relation.namespace, relation.name, False),)
+        self.event_ids = [i for _, u in self.units for _, r in u if (i := record_id(r))]
+        self.starts: list[Lsn] = []  # START_REPLICATION's positions
+        self.statuses: list[tuple[Lsn, Lsn]] = []  # (written, flushed), every connection's
+        self.confirmed: Lsn = 0  # the slot's
+        self.lose_after: int | None = None  # the next connection is lost after so many reads
+        self.lost_after_commit: Lsn | None = None  # the end of the last Commit read before
+        self.on_idle: Callable[[], object] = lambda: None  # the test's look, at each keepalive
+        self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
+        self.connections: list[Connection] = []
+        self.born = time.monotonic()
+
+    def open(self, dsn: str) -> Connection:
+        connection = Connection(self)
+        self.connections.append(connection)
+        return connection
+
+    def end_of(self, event: str) -> Lsn:
+        """The end of the transaction of ``event``."""
+        return next(end for end, u in self.units if any(record_id(r) == event for _, r in u))
+
+    def before(self, event: str) -> Lsn:
+        """The end of the transaction before that of ``event``."""
+        return max((end for end, _ in self.units if end < self.end_of(event)), default=0)
+
+    def flushed(self) -> list[Lsn]:
+        return [flushed for _, flushed in self.statuses]
+
+
+class Connection:
+    """One replication connection to the ``Wal`` (cdc_relay.stages.Source)."""
+
+    def __init__(self, wal: Wal) -> None:
+        self.wal = wal
+        self.queue: deque[XLogData | None] = deque()  # None: nothing to read for a moment
+        self.closed = False
+        self.lose_after: int | None = None
+        self.last_commit: Lsn | None = None
+
+    def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
+        wal = self.wal
+        wal.starts.append(start_lsn)
+        start = max(start_lsn, wal.confirmed)
+        self.lose_after, wal.lose_after = wal.lose_after, None
+        relations: dict[int, bytes] = {}  # each relation's newest schema
+        sent: set[int] = set()  # relations whose schema this connection sent
+        for end, unit in wal.units:
+            for data, record in unit:
+                if isinstance(record, Relation):
+                    relations[record.relid] = data
+                if end <= start:
+                    continue  # confirmed: the walsender sends what commits after it
+                if end in wal.pauses and isinstance(record, Begin):
+                    self.queue.append(None)
+                if isinstance(record, Relation):
+                    sent.add(record.relid)
+                elif isinstance(record, Insert) and record.relid not in sent:
+                    sent.add(record.relid)
+                    self.queue.append(XLogData(end, end, relations[record.relid]))
+                self.queue.append(XLogData(end, end, data))
+
+    def read(self, timeout: float) -> XLogData | Keepalive | None:
+        wal = self.wal
+        assert time.monotonic() - wal.born < WATCHDOG, "the loop did not end"
+        assert not self.closed
+        if self.lose_after is not None:
+            if self.lose_after == 0:
+                wal.lost_after_commit = self.last_commit
+                raise ConnectionLost("replication connection lost: the test cut it")
+            self.lose_after -= 1
+        if self.queue:
+            message = self.queue.popleft()
+            if message is not None and message.data[:1] == b"C":
+                self.last_commit = message.wal_end
+            return message
+        wal.on_idle()
+        time.sleep(0.001)
+        return Keepalive(wal.end, reply_requested=False)
+
+    def send_status(self, written: Lsn, flushed: Lsn) -> None:
+        assert not self.closed
+        assert flushed <= written
+        self.wal.statuses.append((written, flushed))
+        self.wal.confirmed = max(self.wal.confirmed, flushed)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Sink:
+    """In memory (cdc_relay.stages.Sink): holds what it is offered until ``poll`` or
+    ``settle``, then acknowledges each message, or refuses it as the test says."""
+
+    def __init__(self, on_ack: Callable[[Any], None], on_refused: Callable[..., None]) -> None:
+        self.on_ack = on_ack
+        self.on_refused = on_refused
+        self.capacity = 1_000_000
+        self.queue: list[tuple[Message, Any]] = []
+        self.offered: list[tuple[str, int]] = []  # (event id, messages in flight beside it)
+        self.acked: list[Message] = []
+        self.refused: list[tuple[str, int, int]] = []  # (event id, error code, batch size)
+        self.full = 0  # offers turned away: the queue was full
+        self.hold: set[str] = set()  # event ids not reported while here
+        self.hold_all = False
+        # Kafka refuses a batch holding one of these events (not their dead letters): event
+        # id -> error code.
+        self.poison: dict[str, int] = {}
+        self.on_poll: Callable[[], object] = lambda: None
+        self.broken = False
+        self.connected = True
+        self.born = time.monotonic()
+
+    def offer(self, message: Message, token: Any) -> bool:
+        if self.broken and not self.queue:
+            self.broken = False  # as KafkaSink: a new producer once the old one is empty
+        if len(self.queue) >= self.capacity:
+            self.full += 1
+            return False
+        self.offered.append((event_id(message), len(self.queue)))
+        self.queue.append((message, token))
+        return True
+
+    def poll(self, timeout: float) -> None:
+        assert time.monotonic() - self.born < WATCHDOG, "the loop did not end"
+        self.on_poll()
+        if not self._report() and timeout:
+            time.sleep(min(timeout, 0.001))
+
+    def settle(self, timeout: float) -> None:
+        self._report()
+        if self.queue:
+            time.sleep(min(timeout, 0.001))
+
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+    def in_queue(self) -> set[str]:
+        return {event_id(message) for message, _ in self.queue}
+
+    def renew(self) -> None:
+        purged, self.queue = self.queue, []
+        for _, token in purged:
+            self.on_refused(token, KafkaError(KafkaError._PURGE_QUEUE))
+        self.broken = False
+
+    def check_reachable(self, timeout: float) -> None:
+        pass
+
+    def close(self) -> int:
+        left = len(self.queue)
+        self.renew()
+        return left
+
+    def _report(self) -> int:
+        """Report what is not held: refused, all of it, if a poisoned message is in it (Kafka
+        refuses the whole batch for one bad record, and the gapless guarantee stops the
+        producer); acknowledged otherwise. How many were reported."""
+        batch: list[tuple[Message, Any]] = []
+        held: list[tuple[Message, Any]] = []
+        for entry in self.queue:
+            (held if self.hold_all or event_id(entry[0]) in self.hold else batch).append(entry)
+        if not batch:
+            return 0
+        self.queue = held
+        code = next(
+            (
+                self.poison[event_id(m)]
+                for m, _ in batch
+                if m.topic != DEAD and event_id(m) in self.poison
+            ),
+            None,
+        )
+        for message, token in batch:
+            if code is None:
+                self.acked.append(message)
+                self.on_ack(token)
+            else:
+                self.refused.append((event_id(message), code, len(batch)))
+                self.on_refused(token, KafkaError(code))
+        self.broken = code is not None
+        return len(batch)
+
+
+class Letters(DeadLetters):
+    """The dead-letter store with its table in memory; its messages are the real ones."""
+
+    def __init__(self, dsn: str, slot: str, topic: str) -> None:
+        super().__init__(dsn, slot, topic)
+        self.stored: list[tuple[str, int]] = []  # (event id, error code)
+
+    def store(self, message: Message, err: KafkaError) -> None:
+        self.stored.append((event_id(message), err.code()))
+
+    def close(self) -> None:
+        pass
+
+
+def relay_on(wal: Wal, **settings: Any) -> tuple[StreamRelay, Sink]:
+    """A relay streaming ``wal`` into an in-memory sink; status updates every 10 ms."""
+    sinks: list[Sink] = []
+
+    def open_sink(on_ack: Callable[[Any], None], on_refused: Callable[..., None]) -> Sink:
+        sinks.append(Sink(on_ack, on_refused))
+        return sinks[0]
+
+    relay = StreamRelay(
+        StreamSettings(
+            **{
+                "dsn": "test",
+                "slot": "test",
+                "publication": "test",
+                "tables": ("public.outbox_events",),
+                "kafka_config": {},
+                "topic_template": "outbox.{aggregate_type}",
+                "status_interval": 0.01,
+                "shutdown_timeout": 0.05,
+                "progress_interval": 3600.0,
+                **settings,
+            }
+        ),
+        open_source=wal.open,
+        open_sink=open_sink,
+        open_dead_letters=Letters,
+    )
+    return relay, sinks[0]
+
+
+def drained(relay: StreamRelay, sink: Sink) -> None:
+    """Stop once the stream is read (the source is idle) and the sink holds nothing."""
+    if not sink.queue and not sink.hold_all:
+        relay.request_stop()
+
+
+def acked_ids(sink: Sink) -> list[str]:
+    return [event_id(m) for m in sink.acked]
+
+
+@pytest.mark.parametrize("capture", ["pgoutput", "backlog"])
+def test_events_reach_the_sink_in_commit_order_and_idle_confirms_the_keepalive(
+    capture: str,
+) -> None:
+    wal = Wal(pgoutput_messages() if capture == "pgoutput" else backlog())
+    # The capture's logical message is no outbox envelope: with another prefix, another
+    # application's message, passed over.
+    relay, sink = relay_on(wal, message_prefix="another")
+    wal.on_idle = lambda: drained(relay, sink)
+
+    relay.stream(wal.tables)
+
+    # Commit order, insert order within a transaction (two inserts in one, ten in each of
+    # the backlog's); the pgoutput capture's updates, deletes, truncate and message are no
+    # events, its insert after a schema change is one.
+    assert len(wal.event_ids) == (7 if capture == "pgoutput" else 500)
+    assert acked_ids(sink) == wal.event_ids
+    assert any(others for _, others in sink.offered), "the sink never held a batch"
+    assert wal.starts == [0]
+    flushed = wal.flushed()
+    assert flushed == sorted(flushed)
+    # Nothing in flight: the keepalive's position is confirmed, past the last commit.
+    assert flushed[-1] == wal.end
+    assert wal.connections[-1].closed
+
+
+def test_the_flush_position_never_passes_a_transaction_with_an_unacknowledged_event() -> None:
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    held = wal.event_ids[102]  # the third of the eleventh transaction
+    sink.hold.add(held)
+    looks = 0
+    while_held: list[Lsn] = []
+
+    def on_idle() -> None:
+        nonlocal looks
+        if sink.hold:
+            if len(sink.acked) == len(wal.event_ids) - 1:
+                looks += 1
+            if looks == 100:  # a while, with keepalives and status updates
+                while_held.extend(wal.flushed())
+                sink.hold.clear()
+        elif len(sink.acked) == len(wal.event_ids):
+            relay.request_stop()
+
+    wal.on_idle = on_idle
+    relay.stream(wal.tables)
+
+    # Every later transaction was acknowledged; the one with the held event was not, so the
+    # slot stays before it: not its end, not a later one's, not the keepalive's.
+    assert while_held
+    assert max(while_held) == wal.before(held)
+    assert wal.end_of(held) > wal.before(held)
+    # Acknowledged at last: everything is confirmed, up to the keepalive.
+    assert wal.flushed()[-1] == wal.end
+    assert acked_ids(sink) == wal.event_ids[:102] + wal.event_ids[103:] + [held]
+
+
+def test_back_pressure_loses_and_reorders_nothing_and_status_updates_go_on() -> None:
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    sink.capacity = 4
+    sink.hold_all = True  # the broker is away: the queue fills up
+    statuses_when_full: int | None = None
+
+    def on_poll() -> None:
+        nonlocal statuses_when_full
+        if sink.full and statuses_when_full is None:
+            statuses_when_full = len(wal.statuses)
+        if sink.hold_all and sink.full >= 50 and len(wal.statuses) >= (statuses_when_full or 0) + 3:
+            sink.hold_all = False  # the broker is back
+
+    sink.on_poll = on_poll
+    wal.on_idle = lambda: drained(relay, sink)
+    relay.stream(wal.tables)
+
+    assert sink.full >= 50
+    assert not sink.hold_all, "no status update was sent while the sink was full"
+    assert max(others for _, others in sink.offered) < sink.capacity
+    assert acked_ids(sink) == wal.event_ids  # each once, in order
+    assert wal.flushed()[-1] == wal.end
+
+
+POISON = 233  # the fourth event of the 24th transaction
+
+
+def test_a_refused_batch_rewinds_and_the_culprit_alone_stops_the_relay() -> None:
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    culprit = wal.event_ids[POISON]
+    sink.poison[culprit] = KafkaError.MSG_SIZE_TOO_LARGE
+    # The stream pauses before its transaction, so what came before is acknowledged; the
+    # transaction's first events wait for it: one batch holds them, it and what follows.
+    wal.pauses.add(wal.end_of(culprit))
+    before = wal.event_ids[POISON - 3 : POISON]
+    sink.hold.update(before)
+    sink.on_poll = lambda: culprit in sink.in_queue() and sink.hold.clear()
+
+    with pytest.raises(DeliveryError) as failure:
+        relay.stream(wal.tables)
+
+    message = str(failure.value)
+    assert "\n" not in message
+    assert culprit in message
+    assert "Broker: Message size too large" in message
+    # Refused in a batch first (a suspect among others), then alone: the culprit.
+    refusals = [size for refused, _, size in sink.refused if refused == culprit]
+    assert refusals[0] > 4
+    assert refusals[-1] == 1
+    assert (culprit, 0) in sink.offered  # sent with nothing else in flight
+    # The replay starts at the confirmed position: the end of the transaction before.
+    assert wal.starts == [0, wal.before(culprit)]
+    # Its neighbours in the refused batch were sent alone too, and delivered; everything
+    # before it is delivered, in order, and nothing after it.
+    assert {refused for refused, _, _ in sink.refused} > {culprit, *before}
+    assert all((neighbour, 0) in sink.offered for neighbour in before)
+    assert first_seen(acked_ids(sink)) == wal.event_ids[:POISON]
+    # The slot never passes it; the stop confirms what was acknowledged.
+    assert max(wal.flushed()) == wal.flushed()[-1] == wal.before(culprit)
+
+
+def test_a_culprit_goes_to_the_dead_letters_and_the_stream_goes_on() -> None:
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, dead_letter_topic=DEAD)
+    culprit = wal.event_ids[POISON]
+    sink.poison[culprit] = KafkaError.MSG_SIZE_TOO_LARGE
+    wal.on_idle = lambda: len(set(acked_ids(sink))) == len(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    letters = relay.dead_letters
+    assert isinstance(letters, Letters)
+    assert letters.stored == [(culprit, KafkaError.MSG_SIZE_TOO_LARGE)]
+    (letter,) = [m for m in sink.acked if event_id(m) == culprit]
+    assert letter.topic == DEAD
+    assert dict(letter.headers)["error_code"] == b"MSG_SIZE_TOO_LARGE"
+    assert first_seen(acked_ids(sink)) == wal.event_ids  # the letter where the event was
+    assert wal.flushed()[-1] == wal.end
+
+
+def test_a_lost_connection_reconnects_at_the_safe_position_and_replays() -> None:
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    wal.lose_after = 255  # reads: inside the 24th transaction
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    assert wal.connections[0].closed
+    assert len(wal.starts) == 2
+    # What was in flight was acknowledged before reconnecting: the safe position is the end
+    # of the last transaction read whole.
+    resumed = wal.starts[1]
+    assert resumed == wal.lost_after_commit
+    assert resumed > 0
+    # Replayed from there, decoded from scratch (the relation's schema came again): every
+    # event once in order, and again only those of the transaction read in part.
+    ids = acked_ids(sink)
+    assert first_seen(ids) == wal.event_ids
+    again = {i for i in ids if ids.count(i) > 1}
+    assert again
+    assert all(wal.end_of(i) > resumed for i in again)
+    assert len({wal.end_of(i) for i in again}) == 1
+    assert wal.flushed()[-1] == wal.end
+
+
+def test_shutdown_confirms_what_was_acknowledged_and_no_more(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    wal = Wal(backlog())
+    # Status updates only when forced, or 0.2 s after a change: the stop's is the last word.
+    relay, sink = relay_on(wal, status_interval=3600.0)
+    last = wal.event_ids[-10:]  # the last transaction's, never acknowledged
+    sink.hold.update(last)
+    wal.on_idle = lambda: len(sink.acked) == len(wal.event_ids) - 10 and relay.request_stop()
+
+    with caplog.at_level(logging.INFO, logger="cdc_relay.stream"):
+        relay.stream(wal.tables)
+
+    assert wal.flushed()[-1] == wal.before(last[0]) == wal.units[-2][0]
+    assert max(wal.flushed()) == wal.before(last[0])
+    assert wal.connections[-1].closed
+    assert "stopped; 10 events not acknowledged will be sent again on restart" in caplog.text
