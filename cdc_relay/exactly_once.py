@@ -124,6 +124,96 @@ class Skipper:
         return False
 
 
+class Committer:
+    """Exactly once's part of the loop, beside its sink: where the stream is in its units
+    (``unit_begins``, ``produced``, ``unit_ends``), what a replay skips (``skip``), the
+    checkpoint each Kafka transaction commits with (``commit``), and how far the committed
+    ones reach (``committed``), trusted on the server's timeline (``trust``)."""
+
+    def __init__(self, eos: ExactlyOnce, sink: TransactionalSink) -> None:
+        self.eos = eos
+        self.sink = sink
+        self.committed = Checkpoint()
+        self.timeline = 0  # the server's, for the checkpoints (0: not known, on a standby)
+        self._skipper: Skipper | None = None
+        self._last_full: Lsn = 0  # position of the last unit whose events were all produced
+        self._unit: Lsn = 0  # position of the open unit
+        self._unit_events = 0  # its events produced (or skipped as already in Kafka)
+
+    @property
+    def replaying(self) -> bool:
+        """Whether events may still be skipped as in Kafka already."""
+        return self._skipper is not None
+
+    def trust(self, checkpoint: Checkpoint, confirmed: Lsn) -> bool:
+        """Hold ``checkpoint`` as what Kafka has, as far as the timeline allows
+        (Checkpoint.trusted_on), and replay from it; False when the timeline cut it short."""
+        self.committed = checkpoint.trusted_on(self.timeline, confirmed)
+        self.restart()
+        return self.committed == checkpoint
+
+    def restart(self) -> None:
+        """The stream starts again from the slot: what the committed transactions hold is
+        skipped."""
+        self._skipper = Skipper(self.committed)
+        self._last_full, self._unit, self._unit_events = self.committed.position, 0, 0
+
+    def unit_begins(self, position: Lsn) -> None:
+        """A unit of the stream starts (a transaction at its commit's LSN, or a
+        non-transactional message at its own); a replay is over once past the checkpoint."""
+        self._unit, self._unit_events = position, 0
+        skipper = self._skipper
+        if skipper is None:
+            return
+        checkpoint = skipper.checkpoint
+        if position > checkpoint.position and position > checkpoint.partial_position:
+            self._skipper = None
+        else:
+            skipper.unit(position)
+
+    def skip(self) -> bool:
+        """Whether the next event of the unit is in Kafka already (then counted: a
+        checkpoint taken in this unit includes it)."""
+        if self._skipper is not None and self._skipper.skip():
+            self._unit_events += 1
+            return True
+        return False
+
+    def produced(self, events: int = 1) -> None:
+        """``events`` more of the unit were produced (negative: taken back)."""
+        self._unit_events += events
+
+    def unit_ends(self, position: Lsn | None = None) -> None:
+        """Every event of the open unit (or of the unit at ``position``) was produced."""
+        self._last_full = self._unit if position is None else position
+        self._unit, self._unit_events = 0, 0
+
+    def checkpoint(self) -> Checkpoint:
+        """How far the events produced so far reach in the stream."""
+        if self._unit and self._unit_events:
+            return Checkpoint(self._last_full, self._unit, self._unit_events, self.timeline)
+        return Checkpoint(self._last_full, timeline=self.timeline)
+
+    def due(self, force: bool = False) -> bool:
+        """Whether to commit now: events are open and the transaction is old or large
+        enough (or ``force``)."""
+        sink = self.sink
+        if not sink.events:
+            return False
+        return (
+            force
+            or sink.events >= self.eos.max_events
+            or time.monotonic() - sink.opened >= self.eos.interval
+        )
+
+    def commit(self) -> None:
+        """Commit the open Kafka transaction with its checkpoint (its events are acknowledged
+        then, and the slot may be confirmed past them); may raise TransactionAborted."""
+        checkpoint = self.checkpoint()
+        self.sink.commit(checkpoint)
+        self.committed = checkpoint
+
+
 def transactional_id(slot: str) -> str:
     """The default transactional id: one per slot, so a relay taking the slot over fences the
     one before it."""

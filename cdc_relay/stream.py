@@ -43,8 +43,8 @@ from cdc_relay.events import (
 )
 from cdc_relay.exactly_once import (
     Checkpoint,
+    Committer,
     ExactlyOnce,
-    Skipper,
     TransactionAborted,
     TransactionalSink,
     ensure_topic,
@@ -198,18 +198,21 @@ class StreamRelay:
             settings.cloudevents,
             by_table=True,
         )
-        self._eos = settings.exactly_once
         self._open_source = open_source
         self.sink: Sink
-        if self._eos is not None:
-            self.sink = self._transactions = TransactionalSink(
+        # Exactly once: its sink, and what it adds to the loop (exactly_once.Committer).
+        self._eos: Committer | None = None
+        if settings.exactly_once is not None:
+            transactions = TransactionalSink(
                 settings.kafka_config,
                 on_ack=self._acked,
                 on_refused=self._refused,
-                transactional_id=self._eos.transactional_id,
-                checkpoint_topic=self._eos.checkpoint_topic,
+                transactional_id=settings.exactly_once.transactional_id,
+                checkpoint_topic=settings.exactly_once.checkpoint_topic,
                 start_timeout=settings.kafka_timeout,
             )
+            self.sink = transactions
+            self._eos = Committer(settings.exactly_once, transactions)
         elif open_sink is not None:
             self.sink = open_sink(self._acked, self._refused)
         else:
@@ -256,16 +259,8 @@ class StreamRelay:
         # skipped and never confirmed (shards.py); None for any other relay.
         self._after_cut: StartAfterCut | None = None
         self._waiting = False  # still before the cut
-        # Exactly once: how far the committed Kafka transactions reach, what a replay skips,
-        # and where the stream is (exactly_once.py).
-        self._committed = Checkpoint()
-        self._timeline = 0  # the server's, for the checkpoints (0: not known, on a standby)
         self._slot_confirmed: Lsn = 0  # the slot's position at start
-        self._skipper: Skipper | None = None
         self._quiet = False  # events may be skipped: waiting for a cut, or replaying
-        self._last_full: Lsn = 0  # position of the last unit whose events were all produced
-        self._unit: Lsn = 0  # position of the open transaction
-        self._unit_events = 0  # its events produced (or skipped as already in Kafka)
         self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
         self._cut_at: Lsn | None = None  # an old shard's cut, reached: confirmed on stopping
 
@@ -453,7 +448,7 @@ class StreamRelay:
             self._begin = record
             self._transaction = self.tracker.begin(record.commit_time_us)
             if self._eos is not None:
-                self._unit_begins(record.final_lsn)
+                self._unit_begins(self._eos, record.final_lsn)
         elif isinstance(record, Commit):
             if self._transaction is not None:
                 self.tracker.commit(self._transaction, record.end_lsn)
@@ -461,7 +456,7 @@ class StreamRelay:
                 if self._transaction is self._cut_transaction:
                     self._cut_transaction = None  # past the cut for good: confirm again
                 if self._eos is not None:
-                    self._last_full, self._unit, self._unit_events = self._unit, 0, 0
+                    self._eos.unit_ends()
             self._begin = None
             self._transaction = None
         elif isinstance(record, Relation):
@@ -537,67 +532,43 @@ class StreamRelay:
             if shard is not None and not shard.owns(event.aggregate_id):
                 return
             if self._eos is not None:
-                self._unit_begins(record.lsn)
+                self._unit_begins(self._eos, record.lsn)
             if self._quiet and self._skip():
                 if self._eos is not None:
-                    self._last_full, self._unit, self._unit_events = record.lsn, 0, 0
+                    self._eos.unit_ends(record.lsn)
                 return
             transaction = self.tracker.begin(time.time_ns() // 1000)
             self._send(self.router.route(event), transaction, event.id)
             self.tracker.commit(transaction, record.lsn)
             if self._eos is not None:
-                self._last_full, self._unit, self._unit_events = record.lsn, 0, 0
+                self._eos.unit_ends(record.lsn)
 
     def _skip(self) -> bool:
         """Whether to skip an event: before a resharding cut, or in Kafka already (a replay in
         exactly-once mode)."""
         if self._waiting:
             return True
-        if self._skipper is not None and self._skipper.skip():
-            self._unit_events += 1  # counted: a checkpoint taken in this unit includes it
-            return True
-        return False
+        return self._eos is not None and self._eos.skip()
 
-    def _unit_begins(self, position: Lsn) -> None:
-        """Exactly once: a unit of the stream starts (a transaction at its commit's LSN, or a
-        non-transactional message at its own); a replay is over once past the checkpoint."""
-        self._unit, self._unit_events = position, 0
-        skipper = self._skipper
-        if skipper is None:
-            return
-        checkpoint = skipper.checkpoint
-        if position > checkpoint.position and position > checkpoint.partial_position:
-            self._skipper = None
+    def _unit_begins(self, eos: Committer, position: Lsn) -> None:
+        """Exactly once: a unit of the stream starts; the replay may be over."""
+        eos.unit_begins(position)
+        if not eos.replaying:
             self._quiet = self._waiting
-        else:
-            skipper.unit(position)
-
-    def _checkpoint(self) -> Checkpoint:
-        """How far the events produced so far reach in the stream."""
-        if self._unit and self._unit_events:
-            return Checkpoint(self._last_full, self._unit, self._unit_events, self._timeline)
-        return Checkpoint(self._last_full, timeline=self._timeline)
 
     def _commit_kafka(self) -> None:
         """Commit the open Kafka transaction with its checkpoint (its events are acknowledged
         then, and the slot may be confirmed past them); may raise TransactionAborted."""
-        checkpoint = self._checkpoint()
-        self._transactions.commit(checkpoint)
-        self._committed = checkpoint
+        if self._eos is not None:
+            self._eos.commit()
 
     def _maybe_commit(self, force: bool = False) -> None:
         """Exactly once: commit when the transaction is old or large enough (or ``force``)."""
-        eos = self._eos
-        sink = self._transactions
-        if eos is None or not sink.events:
-            return
-        if not (
-            force or sink.events >= eos.max_events or time.monotonic() - sink.opened >= eos.interval
-        ):
+        if self._eos is None or not self._eos.due(force):
             return
         self._serve(0)  # a refusal reported by now rewinds instead
         try:
-            self._commit_kafka()
+            self._eos.commit()
         except TransactionAborted as exc:
             if self._refusals:
                 raise _Rewind from None
@@ -615,7 +586,7 @@ class StreamRelay:
             # before it: an aggregate's events must not overtake its earlier ones.
             self._wait_for_old_shards(cut, record.lsn)
             self._waiting = False
-            self._quiet = self._skipper is not None
+            self._quiet = self._eos is not None and self._eos.replaying
             self._cut_transaction = self._transaction
             log.info(
                 "passed resharding cut %s at %s: the old shards delivered what came before "
@@ -676,7 +647,7 @@ class StreamRelay:
                 self._culprit(message, token, err)
         if self._eos is not None:
             # Counted once produced (a checkpoint taken while it waited must not count it).
-            self._unit_events += 1
+            self._eos.produced()
         self.progress.events += 1
 
     def _offer(self, message: Message, token: Token) -> KafkaError | None:
@@ -724,13 +695,13 @@ class StreamRelay:
                 # The checkpoint committed with the message counts it (the event, or its dead
                 # letter standing for it): a replay after a crash must skip it, not publish it
                 # again. _send counts it for good once it returns; aborted, it is not counted.
-                self._unit_events += 1
+                self._eos.produced()
                 try:
-                    self._commit_kafka()
+                    self._eos.commit()
                 except TransactionAborted:
                     pass  # its report came with Kafka's answer
                 finally:
-                    self._unit_events -= 1
+                    self._eos.produced(-1)
             while self._lone_result is _PENDING:
                 self._wait_for_kafka()  # nothing else is in flight: no refusal but its own
             return self._lone_result if isinstance(self._lone_result, KafkaError) else None
@@ -840,7 +811,8 @@ class StreamRelay:
                     "run cdc-relay setup-slot first"
                 )
             observe_slot(slot)
-            self._timeline = int(timeline or 0)
+            if self._eos is not None:
+                self._eos.timeline = int(timeline or 0)
             self._slot_confirmed = parse_lsn(str(slot["confirmed_flush_lsn"]))
             if invalidated := failover.slot_invalidated(settings.slot, slot):
                 raise PreflightError(invalidated)
@@ -884,22 +856,23 @@ class StreamRelay:
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return tables, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
-    def _start_transactions(self, eos: ExactlyOnce) -> None:
+    def _start_transactions(self, eos: Committer) -> None:
         """Fence older relays of this transactional id, read how far they committed: the
         stream skips that."""
         config = self.settings.kafka_config
+        settings = eos.eos
         found: list[Checkpoint] = []
         failed: list[BaseException] = []
 
         def start() -> None:
             try:
-                ensure_topic(config, eos.checkpoint_topic, self.settings.kafka_timeout)
-                self._transactions.initialise()
+                ensure_topic(config, settings.checkpoint_topic, self.settings.kafka_timeout)
+                eos.sink.initialise()
                 found.append(
                     read_checkpoint(
                         config,
-                        eos.checkpoint_topic,
-                        eos.transactional_id,
+                        settings.checkpoint_topic,
+                        settings.transactional_id,
                         self.settings.kafka_timeout,
                     )
                 )
@@ -918,35 +891,33 @@ class StreamRelay:
             raise failed[0]
         self._trust(eos, found[0], self._slot_confirmed)
         self._quiet = True
+        committed = eos.committed
         log.info(
             "exactly once: transactional id %s; Kafka holds the stream up to %s%s",
-            eos.transactional_id,
-            format_lsn(self._committed.position),
-            f" and {self._committed.partial_events} events of the transaction at "
-            f"{format_lsn(self._committed.partial_position)}"
-            if self._committed.partial_events
+            settings.transactional_id,
+            format_lsn(committed.position),
+            f" and {committed.partial_events} events of the transaction at "
+            f"{format_lsn(committed.partial_position)}"
+            if committed.partial_events
             else "",
-            extra={"action": "checkpoint", "lsn": format_lsn(self._committed.position)},
+            extra={"action": "checkpoint", "lsn": format_lsn(committed.position)},
         )
 
-    def _trust(self, eos: ExactlyOnce, checkpoint: Checkpoint, confirmed: Lsn) -> None:
+    def _trust(self, eos: Committer, checkpoint: Checkpoint, confirmed: Lsn) -> None:
         """Hold ``checkpoint`` as what Kafka has, as far as the server's timeline allows
         (Checkpoint.trusted_on): the replay skips that."""
-        self._committed = checkpoint.trusted_on(self._timeline, confirmed)
-        if self._committed != checkpoint:
+        if not eos.trust(checkpoint, confirmed):
             log.warning(
                 "exactly once: the checkpoint of %s was written on timeline %d and the server "
                 "is on timeline %d (promoted since): past the slot's position %s it may name "
                 "WAL the old primary had and this one never did, so nothing past it is skipped; "
                 "events Kafka already had from there are published again",
-                eos.transactional_id,
+                eos.eos.transactional_id,
                 checkpoint.timeline,
-                self._timeline,
+                eos.timeline,
                 format_lsn(confirmed),
                 extra={"action": "checkpoint_other_timeline"},
             )
-        self._skipper = Skipper(self._committed)
-        self._last_full = self._committed.position
 
     def _follow_timeline(self) -> None:
         """Exactly once, reconnected: the server may be another one, promoted since (a
@@ -959,16 +930,16 @@ class StreamRelay:
             row = conn.execute(QUERIES["timeline"]).fetchone() or {}
             slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
         timeline = int(row.get("timeline") or 0)
-        if timeline == self._timeline or slot is None:
+        if timeline == eos.timeline or slot is None:
             return  # the same server's history (a missing slot: the stream itself says so)
         log.info(
             "exactly once: the server is on timeline %d now (was %d)",
             timeline,
-            self._timeline,
+            eos.timeline,
             extra={"action": "timeline", "timeline": timeline},
         )
-        self._timeline = timeline
-        self._trust(eos, self._committed, parse_lsn(str(slot["confirmed_flush_lsn"])))
+        eos.timeline = timeline
+        self._trust(eos, eos.committed, parse_lsn(str(slot["confirmed_flush_lsn"])))
 
     def _start_after_cut(
         self, conn: psycopg.Connection[dict[str, Any]], shard: Shard, confirmed: str
@@ -1105,9 +1076,8 @@ class StreamRelay:
         self._begin = None
         self._transaction = None
         if self._eos is not None:  # what the committed transactions hold is skipped
-            self._skipper = Skipper(self._committed)
+            self._eos.restart()
             self._quiet = True
-            self._last_full, self._unit, self._unit_events = self._committed.position, 0, 0
         if self._cut_transaction is not None:  # the replay starts before the cut again
             self._cut_transaction = None
             self._waiting = self._quiet = True

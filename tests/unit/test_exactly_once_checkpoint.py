@@ -3,7 +3,16 @@ relay trusts on another timeline of the server (after a promotion)."""
 
 from __future__ import annotations
 
-from cdc_relay.exactly_once import Checkpoint, Skipper
+import time
+from typing import cast
+
+from cdc_relay.exactly_once import (
+    Checkpoint,
+    Committer,
+    ExactlyOnce,
+    Skipper,
+    TransactionalSink,
+)
 
 
 def skipped(checkpoint: Checkpoint, units: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -57,3 +66,94 @@ def test_on_another_timeline_nothing_past_the_slot_is_skipped() -> None:
     # Before the slot's position the history is shared: what Kafka has there is still skipped.
     behind = Checkpoint(0x2000, 0x2800, 1, timeline=1).trusted_on(2, confirmed=0x3000)
     assert behind == Checkpoint(0x2000, 0x2800, 1, timeline=2)
+
+
+class _Transactions:
+    """What the committer asks of the transactional sink: the open transaction's size and
+    age, and its commit with a checkpoint (recorded here)."""
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.opened = 0.0
+        self.commits: list[Checkpoint] = []
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        self.commits.append(checkpoint)
+        self.events = 0
+
+
+def committer(checkpoint: Checkpoint, timeline: int = 1) -> tuple[Committer, _Transactions]:
+    sink = _Transactions()
+    eos = Committer(ExactlyOnce("cdc-relay-slot", "checkpoints"), cast(TransactionalSink, sink))
+    eos.timeline = timeline
+    eos.trust(checkpoint, confirmed=0)
+    return eos, sink
+
+
+def test_the_committer_replays_past_its_checkpoint_and_commits_where_the_stream_is() -> None:
+    """A relay restarted at the slot (0x1000) whose checkpoint reaches 0x2000 and 3 events of
+    the unit at 0x3000: it skips those, produces the rest, and each commit's checkpoint says
+    exactly how far the produced events reach, a split unit by its count."""
+    eos, sink = committer(Checkpoint(0x2000, 0x3000, 3, timeline=1))
+    produced = []
+    for position, events in [(0x1000, 2), (0x2000, 1), (0x3000, 5), (0x4000, 2)]:
+        eos.unit_begins(position)
+        for n in range(events):
+            if not eos.skip():
+                eos.produced()
+                produced.append((position, n))
+        if position == 0x3000:
+            sink.events = 2
+            eos.commit()  # in the middle of a unit: 3 skipped + 2 produced of it are in
+        eos.unit_ends()
+    assert produced == [(0x3000, 3), (0x3000, 4), (0x4000, 0), (0x4000, 1)]
+    assert not eos.replaying
+    sink.events = 2
+    eos.commit()
+    assert sink.commits == [Checkpoint(0x2000, 0x3000, 5, 1), Checkpoint(0x4000, timeline=1)]
+    assert eos.committed == Checkpoint(0x4000, timeline=1)
+
+
+def test_after_a_reconnect_the_committer_skips_what_it_committed_itself() -> None:
+    eos, sink = committer(Checkpoint())
+    for position in (0x1000, 0x2000):
+        eos.unit_begins(position)
+        assert not eos.skip()
+        eos.produced()
+        eos.unit_ends()
+    sink.events = 2
+    eos.commit()
+    eos.restart()  # the connection was lost: the stream comes again from the slot
+    assert eos.replaying
+    eos.unit_begins(0x1000)
+    assert eos.skip()
+    eos.unit_begins(0x3000)
+    assert not eos.skip()
+    assert not eos.replaying
+
+
+def test_a_committer_on_a_new_timeline_trusts_its_checkpoint_only_up_to_the_slot() -> None:
+    """Reconnected to a promoted server: the checkpoint held (timeline 1) reaches 0x5000, the
+    slot there 0x2000; WAL past it may be the new primary's own, and must not be skipped."""
+    eos, _ = committer(Checkpoint(0x5000, timeline=1))
+    assert eos.committed == Checkpoint(0x5000, timeline=1)
+    eos.timeline = 2
+    assert not eos.trust(eos.committed, confirmed=0x2000)
+    assert eos.committed == Checkpoint(0x2000, timeline=2)
+    eos.unit_begins(0x2000)
+    assert eos.skip()
+    eos.unit_begins(0x3000)
+    assert not eos.skip()
+    assert not eos.replaying
+
+
+def test_a_commit_is_due_when_the_transaction_is_old_or_large_enough() -> None:
+    eos, sink = committer(Checkpoint())
+    assert not eos.due(force=True)  # nothing open
+    sink.events, sink.opened = 1, time.monotonic()
+    assert not eos.due()
+    assert eos.due(force=True)
+    sink.events = eos.eos.max_events
+    assert eos.due()
+    sink.events, sink.opened = 1, time.monotonic() - eos.eos.interval
+    assert eos.due()
