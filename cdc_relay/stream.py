@@ -556,12 +556,6 @@ class StreamRelay:
         if not eos.replaying:
             self._quiet = self._waiting
 
-    def _commit_kafka(self) -> None:
-        """Commit the open Kafka transaction with its checkpoint (its events are acknowledged
-        then, and the slot may be confirmed past them); may raise TransactionAborted."""
-        if self._eos is not None:
-            self._eos.commit()
-
     def _maybe_commit(self, force: bool = False) -> None:
         """Exactly once: commit when the transaction is old or large enough (or ``force``)."""
         if self._eos is None or not self._eos.due(force):
@@ -1131,7 +1125,7 @@ class StreamRelay:
                 self._drain(self.settings.shutdown_timeout, confirm=True)
                 if self._eos is not None and not self._refusals and not self.sink.in_flight():
                     with contextlib.suppress(TransactionAborted):
-                        self._commit_kafka()  # what was produced goes in, confirmed below
+                        self._eos.commit()  # what was produced goes in, confirmed below
                 if self._watcher is not None:
                     self._watcher.check_now()  # the last confirmation covers all delivered
                 self._send_status(force=True)
