@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -38,6 +38,9 @@ from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 from cdc_relay.refusals import is_culprit
 from cdc_relay.sink import Acked, KafkaSink, Refused
+
+if TYPE_CHECKING:  # stages.py names the Checkpoint of this module in its Protocols
+    from cdc_relay import stages
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ class Committer:
     checkpoint each Kafka transaction commits with (``commit``), and how far the committed
     ones reach (``committed``), trusted on the server's timeline (``trust``)."""
 
-    def __init__(self, eos: ExactlyOnce, sink: TransactionalSink) -> None:
+    def __init__(self, eos: ExactlyOnce, sink: stages.TransactionalSink) -> None:
         self.eos = eos
         self.sink = sink
         self.committed = Checkpoint()
@@ -254,6 +257,22 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
     except NoCheckpointTopic:
         return Checkpoint()
     return found or Checkpoint()
+
+
+class KafkaCheckpoints:
+    """The checkpoint store (cdc_relay.stages.CheckpointStore) of ``transactional_id``: the
+    compacted topic its transactions write their checkpoints to."""
+
+    def __init__(self, config: Mapping[str, str], topic: str, transactional_id: str) -> None:
+        self._config = config
+        self._topic = topic
+        self._key = transactional_id
+
+    def prepare(self, timeout: float) -> None:
+        ensure_topic(self._config, self._topic, timeout)
+
+    def read(self, timeout: float) -> Checkpoint:
+        return read_checkpoint(self._config, self._topic, self._key, timeout)
 
 
 class NoCheckpointTopic(KafkaUnavailableError):

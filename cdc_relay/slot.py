@@ -17,7 +17,7 @@ from psycopg.rows import dict_row
 
 from cdc_relay import failover, horizon, schema
 from cdc_relay.errors import PreflightError
-from cdc_relay.lsn import format_lsn
+from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ReplicationConnection
@@ -191,6 +191,18 @@ def connect(dsn: str) -> psycopg.Connection[dict[str, Any]]:
     except psycopg.OperationalError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
         raise PreflightError(f"cannot connect to PostgreSQL: {first_line}; check --dsn") from None
+
+
+def timeline_of(dsn: str, slot: str) -> tuple[int, Lsn | None]:
+    """The server's timeline (0 on a standby) and ``slot``'s confirmed position there (None
+    when the server has no such slot): a relay that reconnected may be on another server.
+    Not through ``connect``: a server that refuses the connection now raises the
+    OperationalError a reconnecting relay retries on, not a start-up's PreflightError."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        row = conn.execute(QUERIES["timeline"]).fetchone() or {}
+        found = conn.execute(QUERIES["slot"], {"slot": slot}).fetchone()
+    confirmed = None if found is None else parse_lsn(str(found["confirmed_flush_lsn"]))
+    return int(row.get("timeline") or 0), confirmed
 
 
 def _one(conn: psycopg.Connection[dict[str, Any]], name: str, **params: Any) -> dict[str, Any]:

@@ -1,9 +1,10 @@
 """The stages the CDC loop is wired from, as the loop uses them.
 
 ``stream.py`` takes each stage by injection, the real one by default: the replication source
-(replication.py), the sink (sink.py; the poller's publisher.py uses the same one) and the
-dead-letter store (deadletter.py). A unit test gives it in-memory ones and runs the loop with
-no database and no broker (tests/unit/test_stream_loop.py).
+(replication.py), the sink (sink.py; the poller's publisher.py uses the same one), the
+dead-letter store (deadletter.py), and for exactly once the transactional sink and the
+checkpoint store (exactly_once.py). A unit test gives it in-memory ones and runs the loop
+with no database and no broker (tests/unit/test_stream_loop.py, test_stream_loop_eos.py).
 
 Narrow on purpose: exactly what the loop and the publisher call, no more; ``mypy --strict``
 proves that the real classes satisfy them.
@@ -17,6 +18,7 @@ from typing import Any, Protocol
 import psycopg
 from confluent_kafka import KafkaError
 
+from cdc_relay.exactly_once import Checkpoint
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import Keepalive, XLogData
 from cdc_relay.routing import Message
@@ -75,6 +77,39 @@ class Sink(Protocol):
         """Close; return how many messages were still unacknowledged."""
 
 
+class TransactionalSink(Sink, Protocol):
+    """A sink whose messages count as acknowledged when the Kafka transaction holding them
+    commits, with the checkpoint of how far they reach (cdc_relay.exactly_once says how);
+    ``renew`` aborts the open transaction, whose messages are then reported refused or
+    forgotten, never acknowledged."""
+
+    @property
+    def events(self) -> int:
+        """Messages in the open transaction."""
+
+    @property
+    def opened(self) -> float:
+        """When the open transaction began (time.monotonic)."""
+
+    def initialise(self) -> None:
+        """Fence older producers of the transactional id; their open transaction is aborted."""
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        """Commit the open transaction with ``checkpoint``, then report its messages
+        acknowledged; raise TransactionAborted when Kafka aborted it instead."""
+
+
+class CheckpointStore(Protocol):
+    """Where the checkpoints of the committed transactions are read from at start (the
+    compacted checkpoint topic; the transactional sink writes them, inside each transaction)."""
+
+    def prepare(self, timeout: float) -> None:
+        """Make the store ready to be written (create the topic); raise with a remedy if not."""
+
+    def read(self, timeout: float) -> Checkpoint:
+        """The last committed checkpoint; an empty one when none was ever committed."""
+
+
 class DeadLetterStore(Protocol):
     """Where the stream's culprit goes with ``--dead-letter-topic`` (cdc_relay.deadletter)."""
 
@@ -96,7 +131,12 @@ class DeadLetterStore(Protocol):
 
 
 # The factories ``StreamRelay`` takes: a source from the DSN (not started yet), a sink from
-# its two report callbacks, a dead-letter store from the DSN, the slot and the topic.
+# its two report callbacks, a dead-letter store from the DSN, the slot and the topic; for
+# exactly once, a transactional sink from the report callbacks, and the checkpoint store.
 OpenSource = Callable[[str], Source]
 OpenSink = Callable[[Acked, Refused], Sink]
 OpenDeadLetters = Callable[[str, str, str], DeadLetterStore]
+OpenTransactions = Callable[[Acked, Refused], TransactionalSink]
+# What exactly once asks the server on reconnecting, from the DSN and the slot: its timeline
+# and the slot's confirmed position there (None: no such slot); slot.timeline_of.
+ReadTimeline = Callable[[str, str], tuple[int, Lsn | None]]

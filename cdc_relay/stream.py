@@ -45,10 +45,9 @@ from cdc_relay.exactly_once import (
     Checkpoint,
     Committer,
     ExactlyOnce,
+    KafkaCheckpoints,
     TransactionAborted,
     TransactionalSink,
-    ensure_topic,
-    read_checkpoint,
 )
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -79,12 +78,16 @@ from cdc_relay.slot import (
     connect,
     coverage_problem,
     find_table,
+    timeline_of,
 )
 from cdc_relay.stages import (
+    CheckpointStore,
     DeadLetterStore,
     OpenDeadLetters,
     OpenSink,
     OpenSource,
+    OpenTransactions,
+    ReadTimeline,
     Sink,
     Source,
 )
@@ -176,8 +179,10 @@ class StreamRelay:
 
     The stages are injected (cdc_relay.stages), the real ones by default: ``open_source``
     makes the replication source from the DSN, ``open_sink`` the idempotent sink from the
-    relay's report callbacks (exactly once always runs its TransactionalSink), and
-    ``open_dead_letters`` the store of ``--dead-letter-topic``.
+    relay's report callbacks, ``open_dead_letters`` the store of ``--dead-letter-topic``; with
+    exactly once, ``open_transactions`` makes its transactional sink instead of
+    ``open_sink``'s, ``checkpoints`` is where the committed checkpoint is read at start, and
+    ``read_timeline`` what the server says of its timeline on reconnecting.
     """
 
     def __init__(
@@ -188,6 +193,9 @@ class StreamRelay:
         open_source: OpenSource = ReplicationConnection,
         open_sink: OpenSink | None = None,
         open_dead_letters: OpenDeadLetters = DeadLetters,
+        open_transactions: OpenTransactions | None = None,
+        checkpoints: CheckpointStore | None = None,
+        read_timeline: ReadTimeline = timeline_of,
     ) -> None:
         self.settings = settings
         self.health = health or Health()
@@ -199,20 +207,31 @@ class StreamRelay:
             by_table=True,
         )
         self._open_source = open_source
+        self._read_timeline = read_timeline
         self.sink: Sink
-        # Exactly once: its sink, and what it adds to the loop (exactly_once.Committer).
+        # Exactly once: its sink, what it adds to the loop (exactly_once.Committer), and
+        # where the committed checkpoint is read from at start.
         self._eos: Committer | None = None
-        if settings.exactly_once is not None:
-            transactions = TransactionalSink(
-                settings.kafka_config,
-                on_ack=self._acked,
-                on_refused=self._refused,
-                transactional_id=settings.exactly_once.transactional_id,
-                checkpoint_topic=settings.exactly_once.checkpoint_topic,
-                start_timeout=settings.kafka_timeout,
+        self._checkpoints: CheckpointStore | None = None
+        eos = settings.exactly_once
+        if eos is not None:
+            transactions = (
+                open_transactions(self._acked, self._refused)
+                if open_transactions is not None
+                else TransactionalSink(
+                    settings.kafka_config,
+                    on_ack=self._acked,
+                    on_refused=self._refused,
+                    transactional_id=eos.transactional_id,
+                    checkpoint_topic=eos.checkpoint_topic,
+                    start_timeout=settings.kafka_timeout,
+                )
             )
             self.sink = transactions
-            self._eos = Committer(settings.exactly_once, transactions)
+            self._eos = Committer(eos, transactions)
+            self._checkpoints = checkpoints or KafkaCheckpoints(
+                settings.kafka_config, eos.checkpoint_topic, eos.transactional_id
+            )
         elif open_sink is not None:
             self.sink = open_sink(self._acked, self._refused)
         else:
@@ -319,9 +338,9 @@ class StreamRelay:
         self._conn = self._acquire()
         if self._conn is None:
             return  # stopped while waiting as a standby
-        if self._eos is not None:
+        if self._eos is not None and self._checkpoints is not None:
             # Only with the slot in hand: a standby must not fence the relay it stands by for.
-            self._start_transactions(self._eos)
+            self._start_transactions(self._eos, self._checkpoints)
         publication = self.settings.publication if self._plugin == "pgoutput" else None
         watcher = Watcher(
             self.settings.dsn,
@@ -357,12 +376,15 @@ class StreamRelay:
 
     def stream(self, tables: Sequence[OutboxTable], plugin: str = "pgoutput") -> None:
         """The loop alone, with the database's checks taken as passed: ``tables`` as ``run``
-        finds them, no watcher, no exactly once. For the loop's unit tests, which inject
-        in-memory stages (tests/unit/test_stream_loop.py)."""
+        finds them, no watcher; exactly once starts as in ``run``. For the loop's unit tests,
+        which inject in-memory stages (tests/unit/test_stream_loop.py)."""
         self._tables, self._plugin = tuple(tables), plugin
         self._conn = self._acquire()
-        if self._conn is not None:
-            self._loop()
+        if self._conn is None:
+            return
+        if self._eos is not None and self._checkpoints is not None:
+            self._start_transactions(self._eos, self._checkpoints)
+        self._loop()
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -850,26 +872,18 @@ class StreamRelay:
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return tables, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
-    def _start_transactions(self, eos: Committer) -> None:
-        """Fence older relays of this transactional id, read how far they committed: the
-        stream skips that."""
-        config = self.settings.kafka_config
-        settings = eos.eos
+    def _start_transactions(self, eos: Committer, checkpoints: CheckpointStore) -> None:
+        """Fence older relays of this transactional id, read how far they committed from
+        ``checkpoints``: the stream skips that."""
+        timeout = self.settings.kafka_timeout
         found: list[Checkpoint] = []
         failed: list[BaseException] = []
 
         def start() -> None:
             try:
-                ensure_topic(config, settings.checkpoint_topic, self.settings.kafka_timeout)
+                checkpoints.prepare(timeout)
                 eos.sink.initialise()
-                found.append(
-                    read_checkpoint(
-                        config,
-                        settings.checkpoint_topic,
-                        settings.transactional_id,
-                        self.settings.kafka_timeout,
-                    )
-                )
+                found.append(checkpoints.read(timeout))
             except BaseException as exc:  # noqa: BLE001 - raised below, in the relay's thread
                 failed.append(exc)
 
@@ -888,7 +902,7 @@ class StreamRelay:
         committed = eos.committed
         log.info(
             "exactly once: transactional id %s; Kafka holds the stream up to %s%s",
-            settings.transactional_id,
+            eos.eos.transactional_id,
             format_lsn(committed.position),
             f" and {committed.partial_events} events of the transaction at "
             f"{format_lsn(committed.partial_position)}"
@@ -920,11 +934,8 @@ class StreamRelay:
         eos = self._eos
         if eos is None:
             return
-        with connect(self.settings.dsn) as conn:
-            row = conn.execute(QUERIES["timeline"]).fetchone() or {}
-            slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
-        timeline = int(row.get("timeline") or 0)
-        if timeline == eos.timeline or slot is None:
+        timeline, confirmed = self._read_timeline(self.settings.dsn, self.settings.slot)
+        if timeline == eos.timeline or confirmed is None:
             return  # the same server's history (a missing slot: the stream itself says so)
         log.info(
             "exactly once: the server is on timeline %d now (was %d)",
@@ -933,7 +944,7 @@ class StreamRelay:
             extra={"action": "timeline", "timeline": timeline},
         )
         eos.timeline = timeline
-        self._trust(eos, eos.committed, parse_lsn(str(slot["confirmed_flush_lsn"])))
+        self._trust(eos, eos.committed, confirmed)
 
     def _start_after_cut(
         self, conn: psycopg.Connection[dict[str, Any]], shard: Shard, confirmed: str

@@ -1,0 +1,265 @@
+"""The CDC loop in exactly-once mode on in-memory stages: no database, no broker.
+
+The source is test_stream_loop's replay of captured pgoutput. The broker is ``Kafka``: what a
+read_committed consumer reads (the messages of committed transactions, in commit order) and
+the last committed checkpoint; each relay writes to it through its own transactional
+``Transactions`` sink, whose open transaction dies with the relay. A "kill" is the relay
+process dying at an instruction (the test raises ``Killed`` there): nothing after it reaches
+Kafka or the slot, as with SIGKILL. What these prove is the loop's side of exactly once
+(ARCHITECTURE.md, "Exactly once"): the slot is confirmed only behind committed checkpoints,
+and a replay skips exactly what the checkpoint says Kafka has; the integration suite proves
+the same against PostgreSQL and Kafka.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from test_stream_loop import Wal, backlog, event_id
+
+from cdc_relay import stream
+from cdc_relay.events import Begin
+from cdc_relay.exactly_once import Checkpoint, ExactlyOnce, TransactionAborted
+from cdc_relay.lsn import Lsn
+from cdc_relay.routing import Message
+from cdc_relay.stream import StreamRelay, StreamSettings
+
+
+@pytest.fixture(autouse=True)
+def look_after_every_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop looks at its timers (and commits when due) after every message instead of
+    every 5 ms: a Kafka transaction then holds ``max_events`` events, not what 5 ms read."""
+    monkeypatch.setattr(stream, "_TICK", 0.0)
+
+
+class Killed(BaseException):
+    """The relay's process dies here (BaseException: no ``except Exception`` catches it)."""
+
+
+class Kafka:
+    """The broker, as exactly once sees it (cdc_relay.stages.CheckpointStore too)."""
+
+    def __init__(self) -> None:
+        self.visible: list[Message] = []  # what read_committed consumers read
+        self.checkpoint = Checkpoint()
+        self.epoch = 0  # the transactional id's: a producer of an older one is fenced
+        self.transactions: list[int] = []  # events per committed transaction
+
+    def prepare(self, timeout: float) -> None:
+        pass
+
+    def read(self, timeout: float) -> Checkpoint:
+        return self.checkpoint
+
+    def ids(self) -> list[str]:
+        return [event_id(m) for m in self.visible]
+
+
+class Transactions:
+    """One relay's transactional producer (cdc_relay.stages.TransactionalSink): every
+    message offered is appended at once, and acknowledged when its transaction commits."""
+
+    def __init__(
+        self, kafka: Kafka, on_ack: Callable[[Any], None], on_refused: Callable[..., None]
+    ) -> None:
+        self.kafka = kafka
+        self.on_ack = on_ack
+        self.on_refused = on_refused
+        self.open: list[tuple[Message, Any]] = []
+        self.opened = 0.0
+        self.epoch = -1
+        self.commits = 0
+        self.offers = 0
+        self.on_offer: Callable[[], object] = lambda: None  # before each offer is taken
+        self.on_commit: Callable[[], object] = lambda: None  # after each commit
+        self.dead = False
+        self.open_at_death: list[str] = []
+        self.aborted: list[list[str]] = []  # the events of each transaction aborted
+        self.connected = True
+        self.broken = False
+
+    @property
+    def events(self) -> int:
+        return len(self.open)
+
+    def initialise(self) -> None:
+        self.kafka.epoch += 1
+        self.epoch = self.kafka.epoch
+
+    def offer(self, message: Message, token: Any) -> bool:
+        assert not self.dead
+        assert self.epoch == self.kafka.epoch, "a fenced producer offered a message"
+        self.offers += 1
+        self.on_offer()
+        if not self.open:
+            self.opened = time.monotonic()
+        self.open.append((message, token))
+        return True
+
+    def commit(self, checkpoint: Checkpoint) -> None:
+        if self.dead:  # the process is gone: its open transaction is aborted by the next one
+            raise TransactionAborted("the relay died")
+        if not self.open:
+            return
+        kafka = self.kafka
+        kafka.visible.extend(message for message, _ in self.open)
+        kafka.transactions.append(len(self.open))
+        kafka.checkpoint = checkpoint
+        acked, self.open = self.open, []
+        self.commits += 1
+        for _, token in acked:
+            self.on_ack(token)
+        self.on_commit()
+
+    def kill(self) -> None:
+        self.dead = True
+        self.open_at_death = [event_id(message) for message, _ in self.open]
+        raise Killed
+
+    def poll(self, timeout: float) -> None:
+        pass
+
+    def settle(self, timeout: float) -> None:
+        pass
+
+    def in_flight(self) -> int:
+        return 0  # appended at once: what is open waits for its commit, not for Kafka
+
+    def renew(self) -> None:
+        if self.open:
+            self.aborted.append([event_id(message) for message, _ in self.open])
+        self.open = []  # aborted: never visible, reported by no one
+
+    def check_reachable(self, timeout: float) -> None:
+        pass
+
+    def close(self) -> int:
+        left, self.open = len(self.open), []
+        return left
+
+
+def eos_relay(wal: Wal, kafka: Kafka, max_events: int = 4) -> tuple[StreamRelay, Transactions]:
+    """A relay in exactly-once mode on ``wal`` and ``kafka``; a Kafka transaction holds
+    ``max_events`` events, or those of the stream's last transaction read when it idles."""
+    sinks: list[Transactions] = []
+
+    def open_transactions(
+        on_ack: Callable[[Any], None], on_refused: Callable[..., None]
+    ) -> Transactions:
+        sinks.append(Transactions(kafka, on_ack, on_refused))
+        return sinks[0]
+
+    relay = StreamRelay(
+        StreamSettings(
+            dsn="test",
+            slot="test",
+            publication="test",
+            tables=("public.outbox_events",),
+            kafka_config={},
+            topic_template="outbox.{aggregate_type}",
+            status_interval=0.01,
+            shutdown_timeout=0.05,
+            progress_interval=3600.0,
+            exactly_once=ExactlyOnce("test", interval=3600.0, max_events=max_events),
+        ),
+        open_source=wal.open,
+        open_transactions=open_transactions,
+        checkpoints=kafka,
+        read_timeline=lambda dsn, slot: (0, wal.confirmed),  # the same server, reconnected
+    )
+    return relay, sinks[0]
+
+
+def commit_positions(wal: Wal) -> dict[Lsn, Lsn]:
+    """Each transaction's commit LSN (a checkpoint's unit) by its end (a slot's position)."""
+    return {
+        end: next(r.final_lsn for _, r in unit if isinstance(r, Begin)) for end, unit in wal.units
+    }
+
+
+def run_until_killed(relay: StreamRelay, wal: Wal) -> Lsn:
+    """Run ``relay`` until the test kills it; the slot's position when it died."""
+    with pytest.raises(Killed):
+        relay.stream(wal.tables)
+    return wal.confirmed
+
+
+def run_to_the_end(wal: Wal, kafka: Kafka) -> None:
+    """A relay that reads the stream to its end, then stops (committing what it holds)."""
+    relay, _ = eos_relay(wal, kafka)
+    wal.on_idle = relay.request_stop
+    relay.stream(wal.tables)
+
+
+def test_kills_after_commits_replay_to_every_event_once_in_order() -> None:
+    wal = Wal(backlog())  # 50 transactions of 10 events: most Kafka transactions split one
+    kafka = Kafka()
+    killed_at: list[tuple[Checkpoint, Lsn]] = []
+    for commits in (1, 3, 2, 5, 1, 8):
+        relay, sink = eos_relay(wal, kafka)
+        wal.on_idle = lambda: pytest.fail("drained before the kill")
+        sink.on_commit = lambda s=sink, n=commits: s.commits == n and s.kill()
+        confirmed = run_until_killed(relay, wal)
+        killed_at.append((kafka.checkpoint, confirmed))
+    run_to_the_end(wal, kafka)
+
+    # Every event once, in commit order, though each relay died right after a commit that
+    # the slot had not heard of: the next one skipped what the checkpoint said Kafka had.
+    assert kafka.ids() == wal.event_ids
+    # Kills inside a transaction of the stream: its first events were in Kafka, the next
+    # relay skipped exactly those and sent the rest.
+    assert any(checkpoint.partial_events for checkpoint, _ in killed_at)
+    # The slot never passed what Kafka had committed: a transaction it confirmed was whole
+    # in a committed Kafka transaction.
+    commit_of = commit_positions(wal)
+    for checkpoint, confirmed in killed_at:
+        assert confirmed == 0 or commit_of[confirmed] <= checkpoint.position
+    last = kafka.checkpoint
+    whole = last.partial_position == commit_of[wal.units[-1][0]] and last.partial_events == 10
+    assert last.position == commit_of[wal.units[-1][0]] or whole
+    assert len(wal.starts) == 7
+
+
+def test_a_kill_between_commits_leaves_the_open_transaction_to_the_replay() -> None:
+    wal = Wal(backlog())
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka, max_events=25)
+    wal.on_idle = lambda: pytest.fail("drained before the kill")
+    # The 240th event is offered into an open transaction holding others: the relay dies.
+    sink.on_offer = lambda: sink.offers == 240 and sink.kill()
+    confirmed = run_until_killed(relay, wal)
+    aborted = sink.open_at_death
+    visible = kafka.ids()
+    checkpoint_at_kill = kafka.checkpoint
+    run_to_the_end(wal, kafka)
+
+    # What the dead relay had open never became visible; the next one sent it, once.
+    assert aborted
+    assert not set(aborted) & set(visible)
+    assert visible == wal.event_ids[: len(visible)]
+    assert confirmed == 0 or commit_positions(wal)[confirmed] <= checkpoint_at_kill.position
+    assert kafka.ids() == wal.event_ids
+
+
+def test_a_lost_connection_aborts_the_open_transaction_and_replays_it_once() -> None:
+    wal = Wal(backlog())
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka, max_events=7)
+    wal.lose_after = 255  # reads: inside the 24th transaction
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert len(wal.starts) == 2
+    assert wal.connections[0].closed
+    # The Kafka transaction open when the connection was lost was aborted; its events, and
+    # the rest of the stream's transaction read in part, came again from the replay: each
+    # event once, in order, in what read_committed consumers see.
+    (aborted,) = sink.aborted
+    assert aborted
+    assert kafka.ids() == wal.event_ids
+    flushed = wal.flushed()
+    assert flushed == sorted(flushed)
