@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import psycopg
 import pytest
 from test_stream_loop import Wal, backlog, event_id
 
@@ -25,6 +26,8 @@ from cdc_relay.events import Begin
 from cdc_relay.exactly_once import Checkpoint, ExactlyOnce, TransactionAborted
 from cdc_relay.lsn import Lsn
 from cdc_relay.routing import Message
+from cdc_relay.slot import timeline_of
+from cdc_relay.stages import ReadTimeline
 from cdc_relay.stream import StreamRelay, StreamSettings
 
 
@@ -141,7 +144,9 @@ class Transactions:
         return left
 
 
-def eos_relay(wal: Wal, kafka: Kafka, max_events: int = 4) -> tuple[StreamRelay, Transactions]:
+def eos_relay(
+    wal: Wal, kafka: Kafka, max_events: int = 4, read_timeline: ReadTimeline | None = None
+) -> tuple[StreamRelay, Transactions]:
     """A relay in exactly-once mode on ``wal`` and ``kafka``; a Kafka transaction holds
     ``max_events`` events, or those of the stream's last transaction read when it idles."""
     sinks: list[Transactions] = []
@@ -168,7 +173,8 @@ def eos_relay(wal: Wal, kafka: Kafka, max_events: int = 4) -> tuple[StreamRelay,
         open_source=wal.open,
         open_transactions=open_transactions,
         checkpoints=kafka,
-        read_timeline=lambda dsn, slot: (0, wal.confirmed),  # the same server, reconnected
+        # The same server, reconnected.
+        read_timeline=read_timeline or (lambda dsn, slot: (0, wal.confirmed)),
     )
     return relay, sinks[0]
 
@@ -263,3 +269,33 @@ def test_a_lost_connection_aborts_the_open_transaction_and_replays_it_once() -> 
     assert kafka.ids() == wal.event_ids
     flushed = wal.flushed()
     assert flushed == sorted(flushed)
+
+
+def test_a_server_that_refuses_the_timeline_query_on_reconnecting_is_retried() -> None:
+    wal = Wal(backlog())
+    kafka = Kafka()
+    asked: list[str] = []
+
+    def read_timeline(dsn: str, slot: str) -> tuple[int, Lsn | None]:
+        asked.append(slot)
+        if len(asked) == 1:  # the server is restarting: its first answer is a refusal
+            raise psycopg.OperationalError("the database system is starting up")
+        return 0, wal.confirmed
+
+    relay, _ = eos_relay(wal, kafka, read_timeline=read_timeline)
+    wal.lose_after = 120
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    # Retried, not stopped: a connection after the refused one, and every event once.
+    assert len(asked) == 2
+    assert len(wal.starts) == 3
+    assert kafka.ids() == wal.event_ids
+
+
+def test_the_real_timeline_query_raises_what_the_reconnect_retries() -> None:
+    # No server on this port: the OperationalError the loop retries on, not the
+    # PreflightError with which a relay stops at start-up.
+    with pytest.raises(psycopg.OperationalError):
+        timeline_of("host=127.0.0.1 port=1 connect_timeout=2", "test")
