@@ -1175,7 +1175,8 @@ def stream(
     type=click.IntRange(1, 1_000_000),
     default=10,
     show_default=True,
-    help="Failed publishes after which a row becomes a dead letter.",
+    help="Failed publishes after which a row becomes a dead letter (the last one its own: a "
+    "row Kafka refused among others goes again alone first).",
 )
 @_option(
     "--backoff-base",

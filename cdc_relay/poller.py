@@ -499,16 +499,20 @@ class Worker:
         delays = [
             backoff(row.attempts + 1, settings.backoff_base, settings.backoff_max) for row in failed
         ]
+        own = [index in publisher.own for index in publisher.refused]
         params = {
             "ids": [row.id for row in failed],
             "errors": list(publisher.refused.values()),
             "delays": delays,
+            "own": own,
             "max_attempts": settings.max_attempts,
         }
         with conn.cursor(row_factory=dict_row) as cur:
             outcome = {r["id"]: r for r in cur.execute(self._mark_failed, params).fetchall()}
         self.counts.failed += len(failed)
-        for row, delay, error in zip(failed, delays, publisher.refused.values(), strict=True):
+        for row, delay, error, its_own in zip(
+            failed, delays, publisher.refused.values(), own, strict=True
+        ):
             result = outcome.get(row.id, {"attempts": row.attempts + 1, "dead": False})
             fields = {
                 "event_id": row.id,
@@ -525,12 +529,21 @@ class Worker:
                     result["attempts"],
                     extra={"action": "dead_letter", **fields},
                 )
-            else:
+            elif its_own:
                 log.warning(
                     "publishing event %s failed (attempt %d of %d), next try in %.1fs",
                     row.id,
                     result["attempts"],
                     settings.max_attempts,
+                    delay,
+                    extra={"action": "retry_later", **fields},
+                )
+            else:  # refused with others: not known to be its own failure (publisher.py)
+                log.warning(
+                    "publishing event %s failed with other rows (attempt %d), next try in "
+                    "%.1fs, alone",
+                    row.id,
+                    result["attempts"],
                     delay,
                     extra={"action": "retry_later", **fields},
                 )

@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 from confluent_kafka import KafkaError
 
 from cdc_relay.errors import RelayError
+from cdc_relay.refusals import is_culprit
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
 
 if TYPE_CHECKING:  # the poller imports this module
     from cdc_relay.poller import OutboxRow, PollSettings
-    from cdc_relay.stages import Sink
+    from cdc_relay.stages import OpenSink, Sink
 
 WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka
 
@@ -35,19 +36,30 @@ class Publisher:
     between waits: Kafka refuses a whole request for one oversized message, so a poison row
     must not share one with healthy rows twice, and its fate is known before its aggregate's
     next row goes.
+
+    A failure is the row's ``own`` (cdc_relay.refusals: the culprit) when the client refused
+    it, the router could not route it, or Kafka refused it sent alone; a row refused among
+    others is only a suspect, and is never made a dead letter for it (poller.Worker).
     """
 
-    def __init__(self, settings: PollSettings) -> None:
+    def __init__(self, settings: PollSettings, open_sink: OpenSink | None = None) -> None:
         self.router = Router(
             settings.topic_template, settings.tombstone_on_empty, settings.cloudevents
         )
-        self.sink: Sink = KafkaSink(
-            settings.kafka_config, on_ack=self._acked, relay="poll", on_refused=self._refused
+        self.sink: Sink = (
+            open_sink(self._acked, self._refused)
+            if open_sink is not None
+            else KafkaSink(
+                settings.kafka_config, on_ack=self._acked, relay="poll", on_refused=self._refused
+            )
         )
         self.acked: set[int] = set()
         self.refused: dict[int, str] = {}
+        self.own: set[int] = set()  # refused rows whose failure is their own, for certain
         self.held: list[int] = []
         self._unreported: set[int] = set()  # produced, no report yet
+        self._alone: set[int] = set()  # rows sent with nothing else in flight
+        self._offering: int | None = None  # the row inside sink.offer: a refusal now is its own
         self._producer = 0  # tokens are (producer, index): reports of a dropped one are stale
         self._rows: Sequence[OutboxRow] = ()
         self._failed: set[tuple[str, str]] = set()  # aggregates with a failed row
@@ -67,10 +79,13 @@ class Publisher:
         producer, index = token
         if producer == self._producer:
             self._unreported.discard(index)
-            self._fail(index, _failure(err))
+            own = index == self._offering or (index in self._alone and is_culprit(err))
+            self._fail(index, _failure(err), own)
 
-    def _fail(self, index: int, error: str) -> None:
+    def _fail(self, index: int, error: str, own: bool) -> None:
         self.refused[index] = error
+        if own:
+            self.own.add(index)
         self._failed.add(self._rows[index].aggregate)
 
     def publish(self, rows: Sequence[OutboxRow], give_up: Callable[[], bool]) -> bool:
@@ -81,6 +96,8 @@ class Publisher:
             return False
         self.acked.clear()
         self.refused.clear()
+        self.own.clear()
+        self._alone.clear()
         self.held.clear()
         self._failed.clear()
         self._rows = rows
@@ -93,8 +110,10 @@ class Publisher:
             try:
                 message = self.router.route(row.event())
             except RelayError as exc:  # no legal topic, no payload: the row's fault
-                self._fail(index, str(exc))
+                self._fail(index, str(exc), own=True)
                 continue
+            if row.attempts:
+                self._alone.add(index)
             if not self._offer(message, index, give_up):
                 return False
             if row.attempts and not self.wait(give_up):
@@ -103,12 +122,18 @@ class Publisher:
 
     def _offer(self, message: Message, index: int, give_up: Callable[[], bool]) -> bool:
         self._unreported.add(index)
-        while not self.sink.offer(message, (self._producer, index)):
+        while True:
+            self._offering = index
+            try:
+                accepted = self.sink.offer(message, (self._producer, index))
+            finally:
+                self._offering = None
+            if accepted:
+                return True
             self.sink.poll(WAIT_SLICE)  # the producer's queue is full: let it drain
             if give_up():
                 self._unreported.discard(index)
                 return False
-        return True
 
     def wait(self, give_up: Callable[[], bool]) -> bool:
         """Serve delivery reports until none is outstanding; False if ``give_up`` came first.
@@ -133,5 +158,7 @@ class Publisher:
         self.sink.renew()
         self._producer += 1
         for index in sorted(self._unreported):
-            self._fail(index, "not sent: the producer stopped after Kafka refused a batch")
+            self._fail(
+                index, "not sent: the producer stopped after Kafka refused a batch", own=False
+            )
         self._unreported.clear()

@@ -317,13 +317,16 @@ WHERE id = ANY(%(ids)s::uuid[])
 
 -- mark_failed --
 -- Rows Kafka refused: one more attempt counted, due again after their backoff; a row out of
--- attempts is parked as a dead letter
+-- attempts whose failure was its own (publisher.py: refused alone, or by the client) is
+-- parked as a dead letter; one refused among others is tried again, alone
 UPDATE {table} AS t
 SET attempts = t.attempts + 1,
     last_error = f.error,
-    retry_after = CASE WHEN t.attempts + 1 >= %(max_attempts)s THEN 'infinity'::timestamptz
+    retry_after = CASE WHEN f.own AND t.attempts + 1 >= %(max_attempts)s
+                       THEN 'infinity'::timestamptz
                        ELSE now() + make_interval(secs => f.delay) END
-FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(delays)s::float8[]) AS f(id, error, delay)
+FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(delays)s::float8[], %(own)s::bool[])
+     AS f(id, error, delay, own)
 WHERE t.id = f.id
 RETURNING t.id::text AS id, t.attempts, t.retry_after = 'infinity' AS dead
 

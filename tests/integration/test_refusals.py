@@ -429,9 +429,14 @@ def stream_relay(
 
 
 def poll_relay(
-    tmp_path: Path, dsn: str, bootstrap: str, names: Any, scenario: Scenario | None = None
+    tmp_path: Path,
+    dsn: str,
+    bootstrap: str,
+    names: Any,
+    scenario: Scenario | None = None,
+    **options: str,
 ) -> RelayProcess:
-    extra = dict(POLL_OPTIONS)
+    extra = {**POLL_OPTIONS, **options}
     if scenario is not None and scenario.kafka_config:
         extra["kafka_config"] = scenario.kafka_config
     env = relay_env(dsn, bootstrap, names, **extra)
@@ -982,6 +987,59 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
         section = _poller_section()
         assert "the later rows of its aggregate wait for it" in section
         assert "Once the row is a dead letter, its aggregate goes on without it" in section
+
+
+@pytest.mark.parametrize("scenario", ["too-large"], indirect=True)
+def test_poll_with_one_attempt_dead_letters_only_the_culprit_of_a_refused_batch(
+    tmp_path: Path, outbox_db: str, names: Any, scenario: Scenario, broker: Any
+) -> None:
+    # --max-attempts 1: a row fails once and is dead, but Kafka refused the culprit's whole
+    # batch, innocents with it. Only a row refused alone (or by the client) is known to be
+    # the culprit: the innocents go again alone, and are delivered.
+    prefix = names.topic_prefix
+    with matrix_row(scenario.name, "one attempt, dead letter", "poll") as row:
+        install_poller(outbox_db)
+        prepare(scenario, outbox_db, broker.bootstrap, prefix)
+        workload = write_workload(scenario, outbox_db)
+        culprit = workload.culprit
+
+        def settled() -> bool:
+            ((dead, left),) = query(
+                outbox_db,
+                "SELECT count(*) FILTER (WHERE retry_after = 'infinity'), "
+                "count(*) FILTER (WHERE processed_at IS NULL) FROM outbox_events",
+            )
+            return bool(dead) and left == dead
+
+        relay = poll_relay(tmp_path, outbox_db, broker.bootstrap, names, scenario, max_attempts="1")
+        try:
+            relay.start()
+            wait_until(settled, 60, "every row published or a dead letter", 0.05)
+            received = consume(broker.bootstrap, prefix, len(workload.innocents), 60, settle=1.5)
+            code = relay.stop()
+        finally:
+            relay.close()
+        verdict = check(workload.innocents, received, prefix)
+        dead = query(outbox_db, "SELECT id::text, attempts FROM outbox_dead_letters")
+        retried = query(
+            outbox_db,
+            "SELECT count(*) FROM outbox_events WHERE attempts > 0 AND id <> %s::uuid",
+            culprit.id,
+        )[0][0]
+        row.lost, row.reordered, row.duplicates = (
+            len(verdict.lost),
+            len(verdict.out_of_order),
+            verdict.duplicates,
+        )
+        row.outcome = f"{len(dead)} dead letter(s); {retried} innocents refused with it"
+        print(verdict)
+
+        assert code == 0, relay.log()[-4000:]
+        assert retried  # innocents were refused with the culprit's batch
+        # Its first refusal, in the batch, was not known to be its own; the second, alone, was.
+        assert dead == [(culprit.id, 2)], dead
+        assert_delivered(verdict)
+        assert "with other rows" in relay.log()
 
 
 # -- the delivery timeout ---------------------------------------------------------------------
