@@ -356,21 +356,51 @@ def _publish_all(
     """Publish every row of the cursor, batch by batch, each batch acknowledged (and marked
     processed, if the backlog marks) before the next is read."""
     mark = backlog.outbox.query("mark_processed")
-    while batch := rows.fetchmany(settings.batch_size):
-        backlog.outbox.check_payload(batch)
+
+    def publish(batch: Sequence[OutboxRow]) -> None:
         publisher.publish(batch, lambda: False)
         acked = [batch[i].id for i in sorted(publisher.acked)]
         if acked and backlog.mark:
             marker.execute(mark, {"ids": acked})
         progress.published += len(acked)
+
+    while batch := rows.fetchmany(settings.batch_size):
+        backlog.outbox.check_payload(batch)
+        publish(batch)
         if publisher.refused:
-            index, error = next(iter(publisher.refused.items()))
-            raise DeliveryError(
-                f"Kafka refused event {batch[index].id} ({batch[index].event_type}, "
-                f"aggregate {batch[index].aggregate_id}): {error}; {backlog.job} was undone "
-                f"(no slot was created; {backlog.done(progress.published)}): fix the cause and "
-                f"{backlog.again}"
-            )
+            raise _refused(publisher, batch, publish, backlog, progress)
+
+
+def _refused(
+    publisher: Publisher,
+    batch: Sequence[OutboxRow],
+    publish: Callable[[Sequence[OutboxRow]], None],
+    backlog: Backlog,
+    progress: _Progress,
+) -> DeliveryError:
+    """The error of a batch Kafka refused rows of, naming the row it refuses. Rows refused
+    among others are only suspects (refusals.py): they go again, each alone, so that the
+    error names that row, not a neighbour of it. The job stops all the same: rows held behind
+    a refused one of their aggregate were not published."""
+    refused = dict(publisher.refused)
+    suspects = batch
+    if not publisher.own:
+        suspects = [
+            dataclasses.replace(batch[i], attempts=max(1, batch[i].attempts))
+            for i in sorted(refused)
+        ]
+        publish(suspects)
+    own = [i for i in publisher.refused if i in publisher.own]
+    if own:
+        named, error = suspects[own[0]], publisher.refused[own[0]]
+    else:  # none refused alone: the broker's answer was about no one row
+        first = next(iter(refused))
+        named, error = batch[first], f"refused with other events: {refused[first]}"
+    return DeliveryError(
+        f"Kafka refused event {named.id} ({named.event_type}, aggregate {named.aggregate_id}): "
+        f"{error}; {backlog.job} was undone (no slot was created; "
+        f"{backlog.done(progress.published)}): fix the cause and {backlog.again}"
+    )
 
 
 def _undone(

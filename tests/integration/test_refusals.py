@@ -1042,6 +1042,48 @@ def test_poll_with_one_attempt_dead_letters_only_the_culprit_of_a_refused_batch(
         assert "with other rows" in relay.log()
 
 
+@pytest.mark.parametrize("scenario", ["too-large"], indirect=True)
+def test_a_handover_stopped_by_a_refused_batch_names_the_culprit_not_a_neighbour(
+    outbox_db: str, names: Any, scenario: Scenario, broker: Any
+) -> None:
+    prefix = names.topic_prefix
+    install_poller(outbox_db)
+    prepare(scenario, outbox_db, broker.bootstrap, prefix)
+    workload = write_workload(scenario, outbox_db)
+    culprit = workload.culprit
+
+    result = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
+        env={**os.environ, **relay_env(outbox_db, broker.bootstrap, names)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+    # Kafka refused the culprit's batch, its neighbours with it: the first row refused was a
+    # neighbour (key k0, written before it), and the error named it until the suspects were
+    # sent again alone.
+    assert result.returncode == 1, result.stderr
+    print(result.stderr)
+    line = result.stderr.strip().splitlines()[-1]
+    assert f"Kafka refused event {culprit.id}" in line, line
+    assert "MSG_SIZE_TOO_LARGE" in line
+    assert "the handover was undone (no slot was created" in line
+    ((slots,),) = query(outbox_db, "SELECT count(*) FROM pg_replication_slots")
+    assert slots == 0
+    # What went through was marked processed; the culprit and what waits behind it were not.
+    unprocessed = {
+        row_id
+        for (row_id,) in query(
+            outbox_db, "SELECT id::text FROM outbox_events WHERE processed_at IS NULL"
+        )
+    }
+    assert culprit.id in unprocessed
+    received = consume(broker.bootstrap, prefix, 1, 10, settle=1.5)
+    assert {r.id for r in received}.isdisjoint(unprocessed)
+    assert culprit.id not in {r.id for r in received}
+
+
 # -- the delivery timeout ---------------------------------------------------------------------
 
 
