@@ -125,6 +125,17 @@ def setup_slot(
     setup(dsn, spec)
 
 
+def handover(dsn: str, bootstrap: str, names: Any) -> subprocess.CompletedProcess[str]:
+    """``cdc-relay setup-slot --from-poller``, run to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
+        env={**os.environ, **relay_env(dsn, bootstrap, names)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def install_poller(dsn: str) -> None:
     """What ``cdc-relay poll`` adds to the outbox: the NOTIFY trigger, the dead-letter view."""
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -22,6 +22,7 @@ from relaytools import (
     Writer,
     check,
     consume,
+    handover,
     install_poller,
     pending_inserts,
     relay_env,
@@ -29,16 +30,6 @@ from relaytools import (
 )
 
 pytestmark = pytest.mark.integration
-
-
-def handover(dsn: str, kafka: Any, names: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
-        env=relay_env(dsn, kafka.bootstrap, names),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def start_handover(dsn: str, kafka: Any, names: Any) -> subprocess.Popen[str]:
@@ -125,14 +116,14 @@ def test_switch_from_poll_to_stream_under_load_loses_nothing_and_publishes_nothi
     try:
         wait_until(lambda: processed(outbox_db) > 500, 60, "the poller to publish")
 
-        refused = handover(outbox_db, kafka_service, names)
+        refused = handover(outbox_db, kafka_service.bootstrap, names)
         assert refused.returncode == 1
         assert "poller sessions are connected" in refused.stderr
         assert "stop every cdc-relay poll (SIGTERM)" in refused.stderr
 
         assert poller.stop() == 0, poller.log()
         time.sleep(0.5)  # a backlog builds up that the handover publishes
-        switched = handover(outbox_db, kafka_service, names)
+        switched = handover(outbox_db, kafka_service.bootstrap, names)
         assert switched.returncode == 0, switched.stderr
         stream.start()
         time.sleep(2)
@@ -171,7 +162,7 @@ def test_a_handover_stopped_midway_leaves_no_slot_and_the_pollers_take_over(
     # The handover publishes batch 1 (rows 0-499) and marks it, publishes batch 2 and waits to
     # mark it.
     with marking_held(outbox_db, 700):
-        proc = start_handover(outbox_db, kafka_service, names)
+        proc = start_handover(outbox_db, kafka_service.bootstrap, names)
         try:
             wait_until(lambda: marking_waits(outbox_db), 60, "the handover to wait for the row")
             ((temporary, is_temporary),) = slots(outbox_db)
@@ -254,7 +245,7 @@ def test_no_poller_runs_beside_a_handover_and_stream_starts_after_it(
         )
         wait_until(lambda: "lost the database connection" in first.log(), 30, "a reconnect")
         with marking_held(outbox_db, 0) as held:
-            proc = start_handover(outbox_db, kafka_service, names)
+            proc = start_handover(outbox_db, kafka_service.bootstrap, names)
             wait_until(lambda: marking_waits(outbox_db), 60, "the handover to wait for the row")
 
             # A poller started now stops at once, and so does the first one as it reconnects.

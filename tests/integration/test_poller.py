@@ -27,6 +27,7 @@ from relaytools import (
     Writer,
     check,
     consume,
+    handover,
     install_poller,
     relay_env,
     setup_slot,
@@ -748,13 +749,7 @@ def test_a_bytea_payload_goes_to_kafka_as_the_stored_bytes(
     finally:
         relay.close()
     write(samples[::-1])  # published by the handover
-    switched = subprocess.run(
-        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
-        env={**os.environ, **relay_env(poller_db, kafka_service.bootstrap, names)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    switched = handover(poller_db, kafka_service.bootstrap, names)
     assert switched.returncode == 0, switched.stderr
     assert f"published {len(samples)} events" in switched.stdout
 

@@ -50,6 +50,7 @@ from relaytools import (
     check,
     consume,
     create_topics,
+    handover,
     install_poller,
     pending_inserts,
     relay_env,
@@ -441,6 +442,26 @@ def poll_relay(
         extra["kafka_config"] = scenario.kafka_config
     env = relay_env(dsn, bootstrap, names, **extra)
     return RelayProcess(tmp_path, env, name="poll", command="poll")
+
+
+def poll_until(
+    relay: RelayProcess,
+    settled: Callable[[], bool],
+    what: str,
+    workload: Workload,
+    broker: Any,
+    prefix: str,
+) -> tuple[int, list[Received], Verdict]:
+    """Run the poller until ``settled``; its exit code, what Kafka received of the
+    workload's innocents under the topic ``prefix``, and the verdict on them."""
+    try:
+        relay.start()
+        wait_until(settled, 60, what, 0.05)
+        received = consume(broker.bootstrap, prefix, len(workload.innocents), 60, settle=1.5)
+        code = relay.stop()
+    finally:
+        relay.close()
+    return code, received, check(workload.innocents, received, prefix)
 
 
 def query(dsn: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
@@ -918,14 +939,14 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
             return dead and left == 1
 
         relay = poll_relay(tmp_path, outbox_db, broker.bootstrap, names, scenario)
-        try:
-            relay.start()
-            wait_until(settled, 60, "the culprit to be a dead letter, the rest published", 0.05)
-            received = consume(broker.bootstrap, prefix, len(workload.innocents), 60, settle=1.5)
-            code = relay.stop()
-        finally:
-            relay.close()
-        verdict = check(workload.innocents, received, prefix)
+        code, received, verdict = poll_until(
+            relay,
+            settled,
+            "the culprit to be a dead letter, the rest published",
+            workload,
+            broker,
+            prefix,
+        )
         dead = query(outbox_db, "SELECT id::text, attempts, last_error FROM outbox_dead_letters")
         retried = {
             event_id
@@ -1012,14 +1033,9 @@ def test_poll_with_one_attempt_dead_letters_only_the_culprit_of_a_refused_batch(
             return bool(dead) and left == dead
 
         relay = poll_relay(tmp_path, outbox_db, broker.bootstrap, names, scenario, max_attempts="1")
-        try:
-            relay.start()
-            wait_until(settled, 60, "every row published or a dead letter", 0.05)
-            received = consume(broker.bootstrap, prefix, len(workload.innocents), 60, settle=1.5)
-            code = relay.stop()
-        finally:
-            relay.close()
-        verdict = check(workload.innocents, received, prefix)
+        code, _, verdict = poll_until(
+            relay, settled, "every row published or a dead letter", workload, broker, prefix
+        )
         dead = query(outbox_db, "SELECT id::text, attempts FROM outbox_dead_letters")
         retried = query(
             outbox_db,
@@ -1052,13 +1068,7 @@ def test_a_handover_stopped_by_a_refused_batch_names_the_culprit_not_a_neighbour
     workload = write_workload(scenario, outbox_db)
     culprit = workload.culprit
 
-    result = subprocess.run(
-        [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
-        env={**os.environ, **relay_env(outbox_db, broker.bootstrap, names)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = handover(outbox_db, broker.bootstrap, names)
 
     # Kafka refused the culprit's batch, its neighbours with it: the first row refused was a
     # neighbour (key k0, written before it), and the error named it until the suspects were
