@@ -33,7 +33,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
     NewTopic,
 )
 
-from cdc_relay.errors import DeliveryError, KafkaUnavailableError, PreflightError
+from cdc_relay.errors import DeliveryError, KafkaUnavailableError, PreflightError, UsageError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 from cdc_relay.refusals import is_culprit
@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
 _COMMIT_RETRIES = 10
+# librdkafka's transaction.timeout.ms when the user sets none; the broker aborts a transaction
+# open longer than that.
+_TRANSACTION_TIMEOUT_MS = 60_000
 _FATAL_REASON_WAIT = 2.0  # seconds to wait for the reason of a bare "Fatal error"
 
 
@@ -57,6 +60,26 @@ class ExactlyOnce:
     checkpoint_topic: str = DEFAULT_CHECKPOINT_TOPIC
     interval: float = 0.1  # seconds a Kafka transaction stays open at most
     max_events: int = 10_000  # events in one Kafka transaction at most
+
+
+def check_interval(config: Mapping[str, str], interval: float) -> None:
+    """Refuse a ``--transaction-interval`` that Kafka's transaction timeout cuts short: the
+    coordinator aborts a transaction open longer than transaction.timeout.ms, and a relay
+    whose every transaction outlives it would replay the same events forever. Half of the
+    timeout leaves room for the commit itself."""
+    raw = config.get("transaction.timeout.ms", str(_TRANSACTION_TIMEOUT_MS))
+    try:
+        timeout_ms = int(raw)
+    except ValueError:
+        return  # librdkafka refuses it itself, with its own words, when the producer starts
+    if interval * 1000 > timeout_ms / 2:
+        raise UsageError(
+            f"--transaction-interval {interval:g} s is more than half of Kafka's "
+            f"transaction.timeout.ms ({timeout_ms} ms), which aborts a transaction open that "
+            f"long: use at most {timeout_ms / 2000:g} s, or raise transaction.timeout.ms with "
+            "--kafka-config (the broker's transaction.max.timeout.ms caps it, 15 minutes by "
+            "default)"
+        )
 
 
 @dataclass(frozen=True)

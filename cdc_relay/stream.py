@@ -48,6 +48,7 @@ from cdc_relay.exactly_once import (
     KafkaCheckpoints,
     TransactionAborted,
     TransactionalSink,
+    check_interval,
 )
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -215,6 +216,8 @@ class StreamRelay:
         self._checkpoints: CheckpointStore | None = None
         eos = settings.exactly_once
         if eos is not None:
+            if open_transactions is None:  # Kafka's: its transactions time out
+                check_interval(settings.kafka_config, eos.interval)
             transactions = (
                 open_transactions(self._acked, self._refused)
                 if open_transactions is not None

@@ -1,17 +1,22 @@
 """The exactly-once checkpoint: what it says, what a replay skips by it, and how much of it a
-relay trusts on another timeline of the server (after a promotion)."""
+relay trusts on another timeline of the server (after a promotion); and the transaction
+interval that Kafka's transaction timeout allows."""
 
 from __future__ import annotations
 
 import time
 from typing import cast
 
+import pytest
+
+from cdc_relay.errors import UsageError
 from cdc_relay.exactly_once import (
     Checkpoint,
     Committer,
     ExactlyOnce,
     Skipper,
     TransactionalSink,
+    check_interval,
 )
 from cdc_relay.lsn import Lsn
 
@@ -160,3 +165,37 @@ def test_a_commit_is_due_when_the_transaction_is_old_or_large_enough() -> None:
     assert eos.due()
     sink.events, sink.opened = 1, time.monotonic() - eos.eos.interval
     assert eos.due()
+
+
+@pytest.mark.parametrize(
+    ("interval", "config"),
+    [
+        (30.001, {}),  # more than half of the default 60 s
+        (60.0, {}),  # the longest --transaction-interval takes
+        (5.0, {"transaction.timeout.ms": "9000"}),
+    ],
+)
+def test_an_interval_the_transaction_timeout_cuts_short_is_refused(
+    interval: float, config: dict[str, str]
+) -> None:
+    with pytest.raises(UsageError) as refused:
+        check_interval(config, interval)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "transaction.timeout.ms" in message
+    assert f"use at most {int(config.get('transaction.timeout.ms', 60000)) / 2000:g} s" in message
+
+
+@pytest.mark.parametrize(
+    ("interval", "config"),
+    [
+        (0.1, {}),  # the default
+        (30.0, {}),
+        (60.0, {"transaction.timeout.ms": "900000"}),
+        (1.0, {"transaction.timeout.ms": "not a number"}),  # librdkafka says why at start
+    ],
+)
+def test_an_interval_within_half_the_transaction_timeout_passes(
+    interval: float, config: dict[str, str]
+) -> None:
+    check_interval(config, interval)
