@@ -2,7 +2,7 @@
 
 Records are never changed once made. The ones made per event (Begin, Commit, Insert,
 OutboxEvent) are plain slotted dataclasses all the same, not frozen ones: a frozen
-dataclass's ``__init__`` costs four times as much (bench/stages.py), paid for every event.
+dataclass's ``__init__`` costs four times as much (bench/per_stage.py), paid for every event.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ def _tuple(r: _Reader) -> tuple[Value, ...]:
 def _values(buf: bytes, pos: int) -> tuple[tuple[Value, ...], int]:
     """The column values of a tuple starting at ``pos``, and the position after it.
 
-    The hot path of every row, one tight loop (bench/stages.py): bounds are left to Python
+    The hot path of every row, one tight loop (bench/per_stage.py): bounds are left to Python
     (an index past the end raises IndexError, a short read struct.error, a slice stops at
     the end), then checked once, so a malformed tuple still raises DecodeError.
     """

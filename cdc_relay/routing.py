@@ -27,7 +27,7 @@ _MAX_TOPIC = 249
 @dataclass(slots=True)
 class Message:
     """A Kafka message, made per event: never changed once made (not frozen, which would
-    cost four times as much to make, bench/stages.py)."""
+    cost four times as much to make, bench/per_stage.py)."""
 
     topic: str
     key: bytes | None

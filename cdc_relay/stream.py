@@ -415,7 +415,7 @@ class StreamRelay:
         decode = self._decode
         # Delivery reports, status updates and the watcher's verdict are looked at every
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
-        # decoding it (bench/stages.py), and a few milliseconds change neither the LSN rule
+        # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
         # nor the status interval.
         next_tick = 0.0
         while not self._stop:

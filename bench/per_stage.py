@@ -1,4 +1,4 @@
-"""``python -m bench.stages``: CPU microseconds per event of each stage of ``stream``, alone.
+"""``python -m bench.per_stage``: CPU microseconds per event of each stage of ``stream``, alone.
 
 Real pgoutput messages of the backlog workload (``bench/data/pgoutput-backlog.jsonl``: 50
 transactions of 10 events, captured from PostgreSQL 15) go through each stage many times:
@@ -184,7 +184,7 @@ def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.stages", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.per_stage", description=__doc__)
     parser.add_argument(
         "--kafka-bootstrap",
         default=os.environ.get("CDC_RELAY_KAFKA_BOOTSTRAP"),
