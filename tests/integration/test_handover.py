@@ -32,10 +32,10 @@ from relaytools import (
 pytestmark = pytest.mark.integration
 
 
-def start_handover(dsn: str, kafka: Any, names: Any) -> subprocess.Popen[str]:
+def start_handover(dsn: str, bootstrap: str, names: Any) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "cdc_relay", "setup-slot", "--from-poller"],
-        env={**os.environ, **relay_env(dsn, kafka.bootstrap, names)},
+        env={**os.environ, **relay_env(dsn, bootstrap, names)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
