@@ -372,11 +372,11 @@ def run_options(func: F) -> F:
 
 
 @dataclass(frozen=True)
-class RelayOptions:
-    """The options every relay takes (Kafka, the wire, stopping, metrics, logs), declared once
-    by ``relay_options`` and handed to the command as one value."""
+class WireOptions:
+    """Where and how events are published (``kafka_options``), declared once and handed to
+    a command as one value by ``wire_options``."""
 
-    kafka_bootstrap: str
+    kafka_bootstrap: str | None
     kafka_config: tuple[str, ...]
     kafka_config_file: Path | None
     topic_template: str
@@ -384,6 +384,37 @@ class RelayOptions:
     kafka_timeout: float
     cloudevents_enabled: bool
     cloudevents_source: str | None
+
+    def producer(self) -> dict[str, str]:
+        """The producer's configuration (sink.producer_config)."""
+        return producer_config(
+            self.kafka_bootstrap or "", kafka_settings(self.kafka_config, self.kafka_config_file)
+        )
+
+    def settings(
+        self, dsn: str, table: str, header_columns: tuple[str, ...] = (), **more: float
+    ) -> RelaySettings:
+        """The settings every relay shares, for the outbox ``table`` of ``dsn``; ``more``:
+        how it stops and reports (RelaySettings' defaults otherwise)."""
+        return RelaySettings(
+            dsn=dsn,
+            kafka_config=self.producer(),
+            topic_template=self.topic_template,
+            tombstone_on_empty=self.tombstone_on_empty_payload,
+            cloudevents=cloudevents.configure(
+                self.cloudevents_enabled, self.cloudevents_source, dsn, table, header_columns
+            ),
+            kafka_timeout=self.kafka_timeout,
+            **more,
+        )
+
+
+@dataclass(frozen=True)
+class RelayOptions(WireOptions):
+    """The options every relay takes (the wire's, and stopping, metrics, logs), declared once
+    by ``relay_options`` and handed to the command as one value."""
+
+    kafka_bootstrap: str  # required by a relay
     shutdown_timeout: float
     progress_interval: float
     metrics_port: int
@@ -396,34 +427,44 @@ class RelayOptions:
         logs.configure(self.log_format, self.log_level)
         return start_metrics(self.metrics_host, self.metrics_port)
 
-    def settings(self, dsn: str, table: str, header_columns: tuple[str, ...] = ()) -> RelaySettings:
-        """The settings every relay shares, for the outbox ``table`` of ``dsn``."""
-        return RelaySettings(
-            dsn=dsn,
-            kafka_config=producer_config(
-                self.kafka_bootstrap, kafka_settings(self.kafka_config, self.kafka_config_file)
-            ),
-            topic_template=self.topic_template,
-            tombstone_on_empty=self.tombstone_on_empty_payload,
-            cloudevents=cloudevents.configure(
-                self.cloudevents_enabled, self.cloudevents_source, dsn, table, header_columns
-            ),
-            kafka_timeout=self.kafka_timeout,
+    def settings(
+        self, dsn: str, table: str, header_columns: tuple[str, ...] = (), **more: float
+    ) -> RelaySettings:
+        return super().settings(
+            dsn,
+            table,
+            header_columns,
             shutdown_timeout=self.shutdown_timeout,
             progress_interval=self.progress_interval,
+            **more,
         )
+
+
+def _bundle(cls: type[WireOptions], name: str, func: F) -> F:
+    """``func`` taking the options of dataclass ``cls`` as one value, its argument ``name``."""
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    @functools.wraps(func)
+    def command(**values: Any) -> Any:
+        bundle = cls(**{option: values.pop(option) for option in names})
+        return func(**{name: bundle}, **values)
+
+    return cast(F, command)
+
+
+def wire_options(required: bool = True) -> Callable[[F], F]:
+    """Declare the options of ``WireOptions`` and pass them to the command as ``wire``."""
+
+    def decorate(func: F) -> F:
+        return kafka_options(required)(_bundle(WireOptions, "wire", func))
+
+    return decorate
 
 
 def relay_options(func: F) -> F:
     """Declare the options of ``RelayOptions`` and pass them to ``func`` as ``relay``."""
-    names = [f.name for f in dataclasses.fields(RelayOptions)]
-
-    @functools.wraps(func)
-    def command(**values: Any) -> Any:
-        relay = RelayOptions(**{name: values.pop(name) for name in names})
-        return func(relay=relay, **values)
-
-    return cast(F, kafka_options()(run_options(metrics_options(log_options(command)))))
+    command = _bundle(RelayOptions, "relay", func)
+    return kafka_options()(run_options(metrics_options(log_options(command))))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -512,7 +553,7 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     "exist; needs --kafka-bootstrap.",
 )
 @_CHECKPOINT_TOPIC
-@kafka_options(required=False)
+@wire_options(required=False)
 def setup_slot(
     dsn: str,
     slot: str,
@@ -529,14 +570,7 @@ def setup_slot(
     failover_slot: bool,
     exactly_once: bool,
     checkpoint_topic: str,
-    kafka_bootstrap: str | None,
-    kafka_config: tuple[str, ...],
-    kafka_config_file: Path | None,
-    topic_template: str,
-    tombstone_on_empty_payload: bool,
-    kafka_timeout: float,
-    cloudevents_enabled: bool,
-    cloudevents_source: str | None,
+    wire: WireOptions,
 ) -> None:
     """Check the database and create the publication and the replication slot.
 
@@ -546,7 +580,7 @@ def setup_slot(
     table is created first. With --exactly-once, the checkpoint topic too. With --table given
     more than once, one publication holds every table.
     """
-    if exactly_once and not kafka_bootstrap:
+    if exactly_once and not wire.kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     table, *more_tables = tables
@@ -562,29 +596,16 @@ def setup_slot(
     )
     spec = specs[0]
 
-    def publishing(bootstrap: str) -> PollSettings:
+    def publishing() -> PollSettings:
         """The settings of a job that publishes rows before it makes the slot."""
         logs.configure()
-        return PollSettings(
-            dsn=dsn,
-            table=table,
-            kafka_config=producer_config(
-                bootstrap, kafka_settings(kafka_config, kafka_config_file)
-            ),
-            topic_template=topic_template,
-            tombstone_on_empty=tombstone_on_empty_payload,
-            kafka_timeout=kafka_timeout,
-            cloudevents=cloudevents.configure(
-                cloudevents_enabled, cloudevents_source, dsn, table, header_columns
-            ),
-        )
+        return PollSettings(**wire.settings(dsn, table, header_columns).shared(), table=table)
 
-    if exactly_once and kafka_bootstrap:
+    if exactly_once and wire.kafka_bootstrap:
         # First, whatever the slot's way of being made: the topic does not depend on it.
-        kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
         if dry_run:
             click.echo(f"-- the checkpoint topic {checkpoint_topic}, if it does not exist")
-        elif ensure_topic(kafka, checkpoint_topic, kafka_timeout):
+        elif ensure_topic(wire.producer(), checkpoint_topic, wire.kafka_timeout):
             click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
         else:
             click.echo(f"exists: checkpoint topic {checkpoint_topic}")
@@ -606,9 +627,9 @@ def setup_slot(
                 "--from-poller, --failover, --shards, --dry-run and --create-table (set up "
                 "failover or shards once it is made)"
             )
-        if not kafka_bootstrap:
+        if not wire.kafka_bootstrap:
             raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
-        settings = publishing(kafka_bootstrap)
+        settings = publishing()
         layout = OutboxLayout.from_options(columns, header_columns)
         for line in republish(settings, spec, republish_since, layout).lines:
             click.echo(line)
@@ -629,12 +650,12 @@ def setup_slot(
             "reshard (cdc-relay reshard --from 1 --to N)"
         )
     if from_poller:
-        if dry_run or not kafka_bootstrap:
+        if dry_run or not wire.kafka_bootstrap:
             raise UsageError(
                 "--from-poller publishes the rows the poller left: give --kafka-bootstrap "
                 "(and not --dry-run)"
             )
-        settings = publishing(kafka_bootstrap)
+        settings = publishing()
         if create_table:
             raise UsageError(
                 "--from-poller takes over from a poller, whose outbox table exists: drop "
