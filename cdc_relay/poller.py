@@ -285,7 +285,8 @@ def _check_lock_room(conn: psycopg.Connection[dict[str, Any]], settings: PollSet
     if need > room // 2:
         raise PreflightError(
             f"--workers x --batch-size = {need} aggregate locks at once, over half of "
-            f"PostgreSQL's lock table ({room}: max_locks_per_transaction x max_connections); "
+            f"PostgreSQL's lock table ({room}: max_locks_per_transaction x (max_connections + "
+            "max_prepared_transactions)); "
             "lower --batch-size or --workers, or raise max_locks_per_transaction"
         )
 
