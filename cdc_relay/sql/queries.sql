@@ -101,6 +101,32 @@ SELECT array(SELECT format('%%I.%%I', n.nspname, c.relname)
              WHERE p.pubname = %(publication)s AND g.relid <> ALL(%(oids)s::oid[])
              ORDER BY 1) AS tables
 
+-- inheritors --
+-- The tables that inherit from the given outbox tables, at any depth, besides those tables
+-- (partitions are not among them: their rows come under their root's name). A SELECT of an
+-- outbox table shows their rows, but logical decoding sends them under their own names, and
+-- only if the publication publishes them, which a table made after the publication it does not.
+-- `outbox`: the outbox table it descends from; `published`: whether the publication publishes
+-- it (false when there is no such publication)
+WITH RECURSIVE heirs (oid, outbox) AS (
+    SELECT i.inhrelid, i.inhparent FROM pg_inherits i WHERE i.inhparent = ANY(%(oids)s::oid[])
+  UNION
+    SELECT i.inhrelid, h.outbox FROM pg_inherits i JOIN heirs h ON i.inhparent = h.oid
+)
+SELECT DISTINCT ON (c.oid)
+       format('%%I.%%I', n.nspname, c.relname) AS name,
+       format('%%I.%%I', pn.nspname, p.relname) AS outbox,
+       EXISTS (SELECT 1
+               FROM pg_publication pub, pg_get_publication_tables(pub.pubname::text) AS g
+               WHERE pub.pubname = %(publication)s AND g.relid = c.oid) AS published
+FROM heirs h
+JOIN pg_class c ON c.oid = h.oid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_class p ON p.oid = h.outbox
+JOIN pg_namespace pn ON pn.oid = p.relnamespace
+WHERE NOT c.relispartition AND c.oid <> ALL(%(oids)s::oid[])
+ORDER BY c.oid
+
 -- create_shard_publication --
 -- A shard's publication: create_publication's, with the shard's row filter on each table
 -- ({tables}: `table WHERE (filter)`, one or several)

@@ -2,7 +2,7 @@
 real Kafka and the real relays: two-phase commit (committed while the relay runs, prepared
 before it started and committed after, rolled back), rows deleted in their own transaction or
 a later one, a savepoint rolled back or released, the table's replica identity changed while
-streaming.
+streaming, and a table that inherits from the outbox.
 
 Each ends in one of two outcomes: every committed event on Kafka once, as stored, in commit
 order per aggregate (and nothing of what rolled back), or the relay stopped with one line
@@ -28,6 +28,7 @@ from relaytools import (
     pending_inserts,
     relay_env,
     setup_slot,
+    slot_row,
     wait_slot,
 )
 from test_exactly_once import eos_relay
@@ -317,3 +318,57 @@ def test_stream_relays_every_committed_shape_once_in_commit_order_and_nothing_ro
     # A clean stop confirmed every event: the pgoutput slots hold no outbox insert any more.
     assert pending_inserts(outbox_db, names.slot, names.publication) == 0
     assert pending_inserts(outbox_db, eos_slot, names.publication) == 0
+
+
+@pytest.mark.parametrize("plugin", ["pgoutput", "wal2json"])
+@pytest.mark.parametrize("made", ["before the publication", "while streaming"])
+def test_a_table_inheriting_from_the_outbox_stops_the_stream_at_its_first_row(
+    tmp_path: Path,
+    outbox_db: str,
+    kafka_service: Any,
+    names: Any,
+    ledger: Ledger,
+    plugin: str,
+    made: str,
+) -> None:
+    """Its rows are rows of outbox_events to SQL (and to poll), but logical decoding sends
+    them under the child's name, or not at all when the publication was made before the
+    child: the relay must not pass them silently."""
+    child = "outbox_child"
+    make_child = (
+        f"CREATE TABLE {child} () INHERITS (outbox_events)",
+        # An identity column is not inherited: the child takes its seq from the parent's.
+        f"ALTER TABLE {child} ALTER seq SET DEFAULT "
+        "nextval(pg_get_serial_sequence('outbox_events', 'seq'))",
+    )
+    if made == "before the publication":
+        for statement in make_child:
+            ledger.sql(statement)
+    setup_slot(outbox_db, names, plugin=plugin)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        ledger.begin(("a", 2)).commit()
+        if made == "while streaming":
+            consume(kafka_service.bootstrap, names.topic_prefix, expected=2, settle=0)
+            for statement in make_child:
+                ledger.sql(statement)
+        in_child = ledger.begin()
+        in_child.insert("a", 1, table=child)
+        before_commit = ledger.wal_lsn()  # the child's commit record comes after this
+        in_child.commit()
+        ledger.begin(("a", 1)).commit()
+        code = relay.wait(60)
+    finally:
+        relay.close()
+    log = relay.log()
+    assert code == 1, log
+    assert "Traceback" not in log, log
+    last = log.strip().splitlines()[-1]
+    print(last)
+    assert last.startswith("cdc-relay: error: "), last
+    assert f"public.{child}" in last, last
+    # Nothing from the child's row on was confirmed: it and the row after it wait in the slot.
+    assert parse_lsn(slot_row(outbox_db, names.slot)["confirmed"]) <= before_commit
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=4, timeout=3)
+    assert check(ledger.committed, received, names.topic_prefix).duplicates == 0
+    assert {r.id for r in received} <= {w.id for w in ledger.committed}
