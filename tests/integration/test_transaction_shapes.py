@@ -25,6 +25,7 @@ from relaytools import (
     Written,
     check,
     consume,
+    install_poller,
     pending_inserts,
     relay_env,
     setup_slot,
@@ -372,3 +373,69 @@ def test_a_table_inheriting_from_the_outbox_stops_the_stream_at_its_first_row(
     received = consume(kafka_service.bootstrap, names.topic_prefix, expected=4, timeout=3)
     assert check(ledger.committed, received, names.topic_prefix).duplicates == 0
     assert {r.id for r in received} <= {w.id for w in ledger.committed}
+
+
+# -- poll -------------------------------------------------------------------------------------
+
+
+@pytest.mark.pg18
+def test_poll_publishes_committed_shapes_and_is_not_held_up_by_a_prepared_transaction(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, ledger: Ledger
+) -> None:
+    """poll publishes what a prepared transaction wrote once it commits, never if it rolls
+    back, and goes on with every other aggregate while one holds a row's lock; rows deleted
+    before it claims them are never published (poll reads the table)."""
+    install_poller(outbox_db)
+    # The poller's trigger sends NOTIFY, and PostgreSQL refuses to prepare a transaction that
+    # did: with two-phase commit the trigger must go (the pollers then find new rows at the
+    # next --poll-interval).
+    refused = ledger.begin()
+    refused.insert("refused", 1)
+    with pytest.raises(psycopg.errors.FeatureNotSupported, match="NOTIFY"):
+        refused.prepare()
+    refused.rollback()
+    ledger.sql("DROP TRIGGER outbox_events_notify ON outbox_events")
+
+    first = ledger.begin()
+    held = first.insert("held", 3)
+    first.insert("shared", 2)
+    first.commit()
+    # Deleted in a later transaction before the poller runs: poll reads the table, so this
+    # event is never published (stream's relays it).
+    ledger.begin(("deleted-later", 1)).commit()
+    ledger.sql("DELETE FROM outbox_events WHERE aggregate_id = 'deleted-later'")
+    ledger.committed = [w for w in ledger.committed if w.aggregate_id != "deleted-later"]
+    prepared_early = ledger.begin(("shared", 2), ("prepared-early", 2))
+    prepared_early.prepare()
+    doomed = ledger.begin(("doomed", 2))
+    doomed.prepare()
+    # A prepared transaction that deletes a committed row holds its lock until it is resolved,
+    # which may be never (it survives restarts): the poller must not wait for it with the
+    # other aggregates held, nor publish the rows of its aggregate behind it. The held rows are
+    # the oldest, and more than a batch.
+    holding = ledger.begin()
+    holding.delete(held[:1])
+    holding.prepare()
+
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, poll_interval="1", batch_size="2")
+    poller = RelayProcess(tmp_path, env, name="poll", command="poll").start()
+    try:
+        ledger.begin(("flowing", 2)).commit()
+        # Everything committed but the held rows arrives while three transactions stay prepared.
+        expected = [w for w in ledger.committed if w.aggregate_id != "held"]
+        received = consume(kafka_service.bootstrap, names.topic_prefix, len(expected), 30, 1)
+        assert sorted(r.id for r in received) == sorted(w.id for w in expected), poller.log()
+
+        ledger.commit_prepared(prepared_early)
+        ledger.rollback_prepared(doomed)
+        ledger.rollback_prepared(holding)  # the held row is the outbox's again
+        same = ledger.begin()
+        same.delete(same.insert("deleted-same", 1))  # never visible to poll: never published
+        same.commit()
+        ledger.committed.pop()
+        _savepoints(ledger)
+        received = consume(kafka_service.bootstrap, names.topic_prefix, len(ledger.committed))
+        assert poller.stop() == 0, poller.log()
+    finally:
+        poller.close()
+    _verdict_clean(ledger, received, names.topic_prefix)
