@@ -99,6 +99,8 @@ class OutboxRow:
     created_at: str | None = None  # ISO 8601 (to_jsonb), when the table has the column
     payload_kind: PayloadKind = "json"
     headers: tuple[tuple[str, bytes], ...] = ()  # --header-column values (a republish's)
+    seq: int | None = None  # the claim's: the row's place in the queue
+    key: int | None = None  # the claim's: its aggregate's lock key (claim_aggregates)
 
     @property
     def aggregate(self) -> tuple[str, str]:
@@ -285,7 +287,8 @@ def _check_lock_room(conn: psycopg.Connection[dict[str, Any]], settings: PollSet
     if need > room // 2:
         raise PreflightError(
             f"--workers x --batch-size = {need} aggregate locks at once, over half of "
-            f"PostgreSQL's lock table ({room}: max_locks_per_transaction x max_connections); "
+            f"PostgreSQL's lock table ({room}: max_locks_per_transaction x (max_connections + "
+            "max_prepared_transactions)); "
             "lower --batch-size or --workers, or raise max_locks_per_transaction"
         )
 
@@ -355,6 +358,10 @@ class Worker:
         self._conn: psycopg.Connection[Any] | None = None
         self._claim_aggregates = outbox.query("claim_aggregates")
         self._claim = outbox.query("claim")
+        self._claim_skipped = outbox.query("claim_skipped")
+        # Keys of the aggregates the last claim found held up by a row another transaction
+        # locks (a prepared transaction may hold it for ever): the next claim walks past them.
+        self._skip: list[int] = []
         self._mark_processed = outbox.query("mark_processed")
         self._mark_failed = outbox.query("mark_failed")
         self._stopping_since: float | None = None
@@ -407,7 +414,7 @@ class Worker:
                 continue
             failures = 0
             relay.health.beat()
-            if claimed < self.settings.batch_size:
+            if claimed < self.settings.batch_size and not self._skip:
                 relay.wake.wait(seen, self.settings.poll_interval)
 
     def _connection(self) -> psycopg.Connection[Any]:
@@ -457,14 +464,16 @@ class Worker:
                         "shard": self.shard,
                         "shards": settings.workers,
                         "table_oid": self.outbox.table.oid,
+                        "skip": self._skip,
                     },
                 ).fetchone()
             keys = locked["keys"] if locked else []
+            self._skip = []
             if not keys:
                 return 0
-            rows = conn.execute(
-                self._claim, {"limit": settings.batch_size, "keys": keys}
-            ).fetchall()
+            rows = self._held_back(
+                conn, keys, conn.execute(self._claim, {"limit": settings.batch_size, "keys": keys})
+            )
             if not rows:
                 return 0
             self.outbox.check_payload(rows)
@@ -484,6 +493,31 @@ class Worker:
                 extra={"action": "batch_released"},
             )
         return len(rows)
+
+    def _held_back(
+        self, conn: psycopg.Connection[Any], keys: list[int], claimed: psycopg.Cursor[Any]
+    ) -> list[OutboxRow]:
+        """The claimed rows that may go: claim skips a row another transaction locks (waiting
+        could take for ever: a prepared transaction holds its locks until it is resolved), and
+        its aggregate's rows behind it must wait for it. Their aggregates are walked past in the
+        next claim, which then follows at once, so the others are not held up."""
+        rows: list[OutboxRow] = claimed.fetchall()
+        if rows:
+            with conn.cursor(row_factory=dict_row) as cur:
+                skipped = {
+                    row["key"]: row["seq"]
+                    for row in cur.execute(
+                        self._claim_skipped,
+                        {
+                            "keys": keys,
+                            "last": max(row.seq or 0 for row in rows),
+                            "ids": [row.id for row in rows],
+                        },
+                    )
+                }
+            rows = [r for r in rows if r.key not in skipped or (r.seq or 0) < skipped[r.key]]
+        self._skip = sorted(set(keys) - {row.key for row in rows if row.key is not None})
+        return rows
 
     def _mark(self, conn: psycopg.Connection[Any], rows: Sequence[OutboxRow]) -> None:
         publisher = self.publisher

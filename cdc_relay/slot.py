@@ -133,6 +133,36 @@ def besides_problem(
     )
 
 
+def inheritors_problem(
+    conn: psycopg.Connection[dict[str, Any]],
+    publication: str | None,
+    tables: Sequence[OutboxTable],
+) -> str | None:
+    """Why the rows of a table that inherits from an outbox table would pass the stream
+    unseen, with the remedy; None when there is none. ``publication``: the pgoutput slot's
+    (which sends the rows of a table it publishes: a row that arrives from one stops the
+    stream), None for a wal2json slot (which selects rows by the names of ``tables``)."""
+    rows = conn.execute(
+        QUERIES["inheritors"], {"oids": [t.oid for t in tables], "publication": publication}
+    ).fetchall()
+    missed = [row for row in rows if publication is None or not row["published"]]
+    if not missed:
+        return None
+    child, outbox = missed[0]["name"], missed[0]["outbox"]
+    if publication is None:
+        unseen = "the wal2json slot selects rows by --table, so their events would be skipped"
+        relay = ""
+    else:
+        unseen = f"publication {publication} does not publish it, so their events would be skipped"
+        relay = f"ALTER PUBLICATION {publication} ADD TABLE {child}, then "
+    return (
+        f"table {child} inherits from the outbox table {outbox}: a SELECT of {outbox} shows "
+        f"its rows, but {unseen}. Write the events into {outbox} itself, or relay {child} as "
+        f"an outbox table too ({relay}restart with --table {child} added); rows written to it "
+        "before then are not in the stream: republish them"
+    )
+
+
 def _bare(expression: str) -> str:
     """A row filter without what printing it adds or drops: quotes, parentheses, spaces,
     casts to text."""

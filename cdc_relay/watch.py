@@ -22,7 +22,13 @@ from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
 from cdc_relay.queries import QUERIES
 from cdc_relay.shards import Shard
-from cdc_relay.slot import OutboxTable, besides_problem, coverage_problem, table_by_oid
+from cdc_relay.slot import (
+    OutboxTable,
+    besides_problem,
+    coverage_problem,
+    inheritors_problem,
+    table_by_oid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +151,11 @@ class Watcher:
             self.problem = self._table_problem(conn, table, index)
             if self.problem is not None:
                 return  # the tables checked so far may be fine: verified stays where it was
+        # A table made to inherit from the outbox after the last check has no row committed
+        # before the WAL position read above: it stops the stream before the slot passes one.
+        self.problem = inheritors_problem(conn, self._publication, self.tables)
+        if self.problem is not None:
+            return
         if self._listing is not None:
             self.problem = besides_problem(conn, self._listing, self.tables)
             if self.problem is not None:

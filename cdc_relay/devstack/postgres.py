@@ -47,6 +47,8 @@ _DEFAULT_SETTINGS: Final[Mapping[str, str]] = {
     "max_replication_slots": "32",
     "max_wal_senders": "32",
     "wal_sender_timeout": "60s",
+    # Two-phase commit (PREPARE TRANSACTION) is off by default; the tests write events with it.
+    "max_prepared_transactions": "8",
     # Throwaway data: it survives a kill of the server (the OS still has it), not an OS crash.
     "fsync": "off",
     "shared_buffers": "32MB",

@@ -6,6 +6,8 @@
 -- One notification per writing transaction: PostgreSQL folds identical ones together.
 -- The channel is the table's schema-qualified name. Under very high commit rates the
 -- notification queue's commit-time lock shows; then drop the trigger and poll more often.
+-- PostgreSQL refuses to PREPARE a transaction that sent a notification: applications that
+-- write events with two-phase commit drop the trigger too.
 CREATE OR REPLACE FUNCTION outbox_events_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN

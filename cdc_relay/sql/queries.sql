@@ -101,6 +101,32 @@ SELECT array(SELECT format('%%I.%%I', n.nspname, c.relname)
              WHERE p.pubname = %(publication)s AND g.relid <> ALL(%(oids)s::oid[])
              ORDER BY 1) AS tables
 
+-- inheritors --
+-- The tables that inherit from the given outbox tables, at any depth, besides those tables
+-- (partitions are not among them: their rows come under their root's name). A SELECT of an
+-- outbox table shows their rows, but logical decoding sends them under their own names, and
+-- only if the publication publishes them, which a table made after the publication it does not.
+-- `outbox`: the outbox table it descends from; `published`: whether the publication publishes
+-- it (false when there is no such publication)
+WITH RECURSIVE heirs (oid, outbox) AS (
+    SELECT i.inhrelid, i.inhparent FROM pg_inherits i WHERE i.inhparent = ANY(%(oids)s::oid[])
+  UNION
+    SELECT i.inhrelid, h.outbox FROM pg_inherits i JOIN heirs h ON i.inhparent = h.oid
+)
+SELECT DISTINCT ON (c.oid)
+       format('%%I.%%I', n.nspname, c.relname) AS name,
+       format('%%I.%%I', pn.nspname, p.relname) AS outbox,
+       EXISTS (SELECT 1
+               FROM pg_publication pub, pg_get_publication_tables(pub.pubname::text) AS g
+               WHERE pub.pubname = %(publication)s AND g.relid = c.oid) AS published
+FROM heirs h
+JOIN pg_class c ON c.oid = h.oid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+JOIN pg_class p ON p.oid = h.outbox
+JOIN pg_namespace pn ON pn.oid = p.relnamespace
+WHERE NOT c.relispartition AND c.oid <> ALL(%(oids)s::oid[])
+ORDER BY c.oid
+
 -- create_shard_publication --
 -- A shard's publication: create_publication's, with the shard's row filter on each table
 -- ({tables}: `table WHERE (filter)`, one or several)
@@ -249,7 +275,9 @@ SELECT pg_notify(%(channel)s, '')
 -- `shards` takes only its share of the aggregates (int4eq() rather than `=`: the planner then
 -- guesses a third of the rows pass, not one in 200, and keeps walking the index in seq order
 -- instead of sorting the whole backlog). The key is a hash of the aggregate: two aggregates
--- that share one are published one after the other, never out of order.
+-- that share one are published one after the other, never out of order. `skip`: the keys of
+-- the aggregates the worker's last claim found held up by a row another transaction locks
+-- (claim_skipped), walked past this once.
 -- The locks are tried outside the ordered subquery (OFFSET 0 keeps the planner from merging
 -- the two, and a volatile condition is never pushed into it), on the rows it hands out in seq
 -- order until `limit` got one: inside, a plan that sorts would try a lock on every row before
@@ -267,6 +295,8 @@ FROM (
           AND (t.retry_after IS NULL OR t.retry_after <= now())
           AND int4eq(mod(hashtext(coalesce(t.aggregate_id, '')) & 2147483647, %(shards)s),
                      %(shard)s)
+          AND hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, ''))
+              <> ALL(%(skip)s::int4[])
         ORDER BY t.seq
         OFFSET 0
     ) AS head
@@ -287,15 +317,18 @@ FROM (
 -- A claim's second step, in a new snapshot taken once the aggregates are locked (so what the
 -- previous holder of each committed is seen): the next rows of those aggregates, oldest first,
 -- due as in claim_aggregates, locked until the transaction ends. Only a poller holding an
--- aggregate's key locks its rows, so none is skipped: a row locked by anything else is waited
--- for, since the rows behind it must not go first.
+-- aggregate's key locks its rows, so a row locked by anything else (a transaction deleting or
+-- updating it, maybe a prepared one, which holds its locks until COMMIT or ROLLBACK PREPARED,
+-- however long that takes) is not waited for: it is skipped, and claim_skipped tells the
+-- poller which aggregates lost a row so, since the rows behind it must not go first.
 -- {payload} is payload_bytes or payload_text, chosen by the column's type at start; its type
 -- comes along, so a column retyped while the poller runs is noticed before a row is published.
 -- {created_at} is created_at_text or no_created_at, {payload_kind} the kind of the payload
 -- column (routing needs both for --cloudevents).
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
-       {created_at} AS created_at, {payload_kind} AS payload_kind
+       {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq,
+       hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) AS key
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
@@ -307,7 +340,23 @@ WHERE t.processed_at IS NULL
         AND w.seq < t.seq)
 ORDER BY t.seq
 LIMIT %(limit)s
-FOR UPDATE OF t
+FOR UPDATE OF t SKIP LOCKED
+
+-- claim_skipped --
+-- After claim, in the same transaction: for each of the claimed aggregates (their keys), the
+-- first row due before the last row claimed that claim did not return, locked by another
+-- transaction (or committed since claim's snapshot). The poller publishes none of that
+-- aggregate's rows from there on, and walks past the aggregate in its next claim, so that
+-- the other aggregates are not held up behind it.
+SELECT hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) AS key,
+       min(t.seq) AS seq
+FROM {table} AS t
+WHERE t.processed_at IS NULL
+  AND (t.retry_after IS NULL OR t.retry_after <= now())
+  AND hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) = ANY(%(keys)s::int4[])
+  AND t.seq < %(last)s
+  AND t.id <> ALL(%(ids)s::uuid[])
+GROUP BY 1
 
 -- mark_processed --
 -- Rows Kafka acknowledged, in one statement, found by primary key (a condition on

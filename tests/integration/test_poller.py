@@ -792,6 +792,7 @@ def test_a_claim_reads_a_batch_not_the_backlog_however_stale_the_statistics(
                 "shard": 0,
                 "shards": 1,
                 "table_oid": outbox.table.oid,
+                "skip": [],
             }
             explain = sql.SQL("EXPLAIN (ANALYZE, FORMAT JSON) ")
 
