@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -156,16 +156,9 @@ class Committer:
     checkpoint each Kafka transaction commits with (``commit``), and how far the committed
     ones reach (``committed``), trusted on the server's timeline (``trust``)."""
 
-    def __init__(
-        self,
-        eos: ExactlyOnce,
-        sink: stages.TransactionalSink,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, eos: ExactlyOnce, sink: stages.TransactionalSink) -> None:
         self.eos = eos
         self.sink = sink
-        self._clock = clock  # the sink's: its ``opened`` is a reading of it
-        self._commit_time = 0.0  # seconds a commit takes, the recent ones weighed most
         self.committed = Checkpoint()
         self.timeline = 0  # the server's, for the checkpoints (0: not known, on a standby)
         self._skipper: Skipper | None = None
@@ -229,34 +222,22 @@ class Committer:
 
     def due(self, force: bool = False) -> bool:
         """Whether to commit now: events are open and the transaction is old or large
-        enough (or ``force``).
-
-        A transaction's events become readable when its commit ends, so the commit starts
-        as long before the interval is over as commits take (at most half of it early): the
-        transaction ends about when the interval does, not a commit later. Its first event
-        waits the interval, not the interval and a commit (the p99 latency of exactly once,
-        bench/README.md)."""
+        enough (or ``force``)."""
         sink = self.sink
         if not sink.events:
             return False
-        interval = self.eos.interval
-        lead = min(self._commit_time, interval / 2)
         return (
             force
             or sink.events >= self.eos.max_events
-            or self._clock() - sink.opened >= interval - lead
+            or time.monotonic() - sink.opened >= self.eos.interval
         )
 
     def commit(self) -> None:
         """Commit the open Kafka transaction with its checkpoint (its events are acknowledged
         then, and the slot may be confirmed past them); may raise TransactionAborted."""
         checkpoint = self.checkpoint()
-        events, started = self.sink.events, self._clock()
         self.sink.commit(checkpoint)
         self.committed = checkpoint
-        if events:  # a commit of nothing costs nothing: it says nothing of how long one takes
-            took = self._clock() - started
-            self._commit_time = 0.8 * self._commit_time + 0.2 * took if self._commit_time else took
 
 
 def transactional_id(slot: str) -> str:

@@ -167,46 +167,6 @@ def test_a_commit_is_due_when_the_transaction_is_old_or_large_enough() -> None:
     assert eos.due()
 
 
-def test_a_commit_starts_as_long_before_the_interval_ends_as_commits_take() -> None:
-    now = [100.0]
-    sink = _Transactions()
-
-    def slow_commit(checkpoint: Checkpoint) -> None:
-        now[0] += took  # the commit's round trips to the broker
-        sink.commits.append(checkpoint)
-        sink.events = 0
-
-    sink.commit = slow_commit  # type: ignore[method-assign]
-    eos = Committer(
-        ExactlyOnce("cdc-relay-slot", "checkpoints", interval=0.1),
-        cast(TransactionalSink, sink),
-        clock=lambda: now[0],
-    )
-
-    def open_since(seconds: float) -> None:
-        sink.events, sink.opened = 1, now[0] - seconds
-
-    open_since(0.09)
-    assert not eos.due()  # no commit timed yet: the interval whole
-    took = 0.03
-    eos.commit()
-    open_since(0.075)
-    assert eos.due()  # commits take 30 ms: the next starts 30 ms before the interval ends
-    open_since(0.065)
-    assert not eos.due()
-    eos.commit()  # nothing open: not timed
-    open_since(0.075)
-    assert eos.due()
-    took = 0.5  # a broker slow to commit: at most half of the interval early
-    for _ in range(20):
-        open_since(0.0)
-        eos.commit()
-    open_since(0.049)
-    assert not eos.due()
-    open_since(0.051)
-    assert eos.due()
-
-
 @pytest.mark.parametrize(
     ("interval", "config"),
     [
