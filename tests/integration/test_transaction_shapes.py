@@ -172,8 +172,9 @@ def ledger(outbox_db: str) -> Iterator[Ledger]:
     database with prepared transactions cannot be dropped)."""
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         row = conn.execute("SELECT current_setting('max_prepared_transactions')::int").fetchone()
-    if not row or row[0] == 0:
-        pytest.skip("the server has max_prepared_transactions = 0: no two-phase commit")
+    # The test servers allow it (cdc_relay.devstack sets max_prepared_transactions): a server
+    # that does not fails here rather than skipping the two-phase commit cases.
+    assert row and row[0] > 0, "the test server has max_prepared_transactions = 0"
     book = Ledger(outbox_db)
     try:
         yield book
