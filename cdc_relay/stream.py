@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError
 
-from cdc_relay import failover, pgoutput, wal2json
+from cdc_relay import failover, pgoutput, stages, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.config import RelaySettings
 from cdc_relay.deadletter import DeadLetters
@@ -216,12 +216,10 @@ class StreamRelay:
         self._checkpoints: CheckpointStore | None = None
         eos = settings.exactly_once
         if eos is not None:
-            if open_transactions is None:  # Kafka's: its transactions time out
+            transactions: stages.TransactionalSink  # the Protocol: Kafka's, or one injected
+            if open_transactions is None:  # Kafka's, whose transactions time out
                 check_interval(settings.kafka_config, eos.interval)
-            transactions = (
-                open_transactions(self._acked, self._refused)
-                if open_transactions is not None
-                else TransactionalSink(
+                transactions = TransactionalSink(
                     settings.kafka_config,
                     on_ack=self._acked,
                     on_refused=self._refused,
@@ -229,7 +227,8 @@ class StreamRelay:
                     checkpoint_topic=eos.checkpoint_topic,
                     start_timeout=settings.kafka_timeout,
                 )
-            )
+            else:
+                transactions = open_transactions(self._acked, self._refused)
             self.sink = transactions
             self._eos = Committer(eos, transactions)
             self._checkpoints = checkpoints or KafkaCheckpoints(
@@ -341,9 +340,8 @@ class StreamRelay:
         self._conn = self._acquire()
         if self._conn is None:
             return  # stopped while waiting as a standby
-        if self._eos is not None and self._checkpoints is not None:
-            # Only with the slot in hand: a standby must not fence the relay it stands by for.
-            self._start_transactions(self._eos, self._checkpoints)
+        # Only with the slot in hand: a standby must not fence the relay it stands by for.
+        self._start_transactions()
         publication = self.settings.publication if self._plugin == "pgoutput" else None
         watcher = Watcher(
             self.settings.dsn,
@@ -385,8 +383,7 @@ class StreamRelay:
         self._conn = self._acquire()
         if self._conn is None:
             return
-        if self._eos is not None and self._checkpoints is not None:
-            self._start_transactions(self._eos, self._checkpoints)
+        self._start_transactions()
         self._loop()
 
     # -- the loop -------------------------------------------------------------------------
@@ -875,9 +872,12 @@ class StreamRelay:
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return tables, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])
 
-    def _start_transactions(self, eos: Committer, checkpoints: CheckpointStore) -> None:
-        """Fence older relays of this transactional id, read how far they committed from
-        ``checkpoints``: the stream skips that."""
+    def _start_transactions(self) -> None:
+        """Exactly once: fence older relays of this transactional id, read how far they
+        committed from the checkpoint store: the stream skips that. Nothing otherwise."""
+        eos, checkpoints = self._eos, self._checkpoints
+        if eos is None or checkpoints is None:
+            return
         timeout = self.settings.kafka_timeout
         found: list[Checkpoint] = []
         failed: list[BaseException] = []
