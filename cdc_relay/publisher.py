@@ -58,7 +58,6 @@ class Publisher:
         self.own: set[int] = set()  # refused rows whose failure is their own, for certain
         self.held: list[int] = []
         self._unreported: set[int] = set()  # produced, no report yet
-        self._alone: set[int] = set()  # rows sent with nothing else in flight
         self._offering: int | None = None  # the row inside sink.offer: a refusal now is its own
         self._producer = 0  # tokens are (producer, index): reports of a dropped one are stale
         self._rows: Sequence[OutboxRow] = ()
@@ -79,7 +78,9 @@ class Publisher:
         producer, index = token
         if producer == self._producer:
             self._unreported.discard(index)
-            own = index == self._offering or (index in self._alone and is_culprit(err))
+            # A row tried before goes alone (publish): Kafka's refusal of it is about it.
+            alone = self._rows[index].attempts > 0
+            own = index == self._offering or (alone and is_culprit(err))
             self._fail(index, _failure(err), own)
 
     def _fail(self, index: int, error: str, own: bool) -> None:
@@ -97,7 +98,6 @@ class Publisher:
         self.acked.clear()
         self.refused.clear()
         self.own.clear()
-        self._alone.clear()
         self.held.clear()
         self._failed.clear()
         self._rows = rows
@@ -112,8 +112,6 @@ class Publisher:
             except RelayError as exc:  # no legal topic, no payload: the row's fault
                 self._fail(index, str(exc), own=True)
                 continue
-            if row.attempts:
-                self._alone.add(index)
             if not self._offer(message, index, give_up):
                 return False
             if row.attempts and not self.wait(give_up):
