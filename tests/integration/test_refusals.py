@@ -444,6 +444,13 @@ def poll_relay(
     return RelayProcess(tmp_path, env, name="poll", command="poll")
 
 
+def poller_workload(scenario: Scenario, dsn: str, bootstrap: str, prefix: str) -> Workload:
+    """The scenario's topics, and its workload written to an outbox with the poller's schema."""
+    install_poller(dsn)
+    prepare(scenario, dsn, bootstrap, prefix)
+    return write_workload(scenario, dsn)
+
+
 def poll_until(
     relay: RelayProcess,
     settled: Callable[[], bool],
@@ -916,9 +923,7 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
 ) -> None:
     prefix = names.topic_prefix
     with matrix_row(scenario.name, "backoff, dead letter", "poll") as row:
-        install_poller(outbox_db)
-        prepare(scenario, outbox_db, broker.bootstrap, prefix)
-        workload = write_workload(scenario, outbox_db)
+        workload = poller_workload(scenario, outbox_db, broker.bootstrap, prefix)
         culprit = workload.culprit
         waiting = [
             w
@@ -1019,9 +1024,7 @@ def test_poll_with_one_attempt_dead_letters_only_the_culprit_of_a_refused_batch(
     # the culprit: the innocents go again alone, and are delivered.
     prefix = names.topic_prefix
     with matrix_row(scenario.name, "one attempt, dead letter", "poll") as row:
-        install_poller(outbox_db)
-        prepare(scenario, outbox_db, broker.bootstrap, prefix)
-        workload = write_workload(scenario, outbox_db)
+        workload = poller_workload(scenario, outbox_db, broker.bootstrap, prefix)
         culprit = workload.culprit
 
         def settled() -> bool:
@@ -1063,9 +1066,7 @@ def test_a_handover_stopped_by_a_refused_batch_names_the_culprit_not_a_neighbour
     outbox_db: str, names: Any, scenario: Scenario, broker: Any
 ) -> None:
     prefix = names.topic_prefix
-    install_poller(outbox_db)
-    prepare(scenario, outbox_db, broker.bootstrap, prefix)
-    workload = write_workload(scenario, outbox_db)
+    workload = poller_workload(scenario, outbox_db, broker.bootstrap, prefix)
     culprit = workload.culprit
 
     result = handover(outbox_db, broker.bootstrap, names)
