@@ -74,15 +74,19 @@ class SteadyWriter:
     Transactions are due on a fixed schedule, spread over ``connections`` connections (each in
     its own thread) so that one slow round trip does not hold the next transaction back; a
     writer that falls behind catches up without sleeping, and the rate it reached is reported.
-    ``committed`` maps each event id to the wall-clock time (``time.time()``, the clock of the
-    broker's LogAppendTime) at which the writer saw its COMMIT return.
+    Each transaction is one statement in autocommit, one round trip: PostgreSQL commits it
+    before it answers, so ``committed`` maps each event id to the wall-clock time
+    (``time.time()``, the clock of the broker's LogAppendTime) at which the writer saw its
+    COMMIT return. Four connections and one round trip each: with two connections and an
+    explicit COMMIT (two round trips) the writer alone reached 16,700 of 20,000 events/s on
+    this project's 2-core machine.
     """
 
     dsn: str
     rate: float
     duration: float
     per_transaction: int
-    connections: int = 2
+    connections: int = 4
     first: int = 0
     """The number of the first event (the payloads' ``n``)."""
     committed: dict[str, float] = field(default_factory=dict)
@@ -125,14 +129,13 @@ class SteadyWriter:
         query = QUERIES["insert_events"]
         committed = self.committed
         try:
-            with psycopg.connect(self.dsn) as conn:
+            with psycopg.connect(self.dsn, autocommit=True) as conn:
                 for number in numbers:
                     delay = started + number * interval - time.monotonic()
                     if delay > 0:
                         time.sleep(delay)
                     first = self.first + number * size
                     rows = conn.execute(query, {"count": size, "first": first}).fetchall()
-                    conn.commit()
                     now = time.time()
                     for (event_id,) in rows:
                         committed[event_id] = now
