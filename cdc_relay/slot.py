@@ -98,11 +98,13 @@ def coverage_problem(
     shard: Shard | None = None,
     aggregate_column: str = "aggregate_id",
 ) -> str | None:
-    """Why ``publication`` does not publish the inserts of ``table`` (for a shard: exactly
-    the shard's rows), with the remedy; None when it does."""
+    """Why ``publication`` does not publish the inserts of ``table`` (every row of it; for a
+    shard: exactly the shard's rows), with the remedy; None when it does."""
     problem = _coverage_problem(conn, publication, table)
-    if problem or shard is None:
+    if problem:
         return problem
+    if shard is None:
+        return _filter_problem(conn, publication, table)
     found = _one(conn, "row_filter", publication=publication, oid=table.oid).get("filter")
     expected = shard.row_filter(aggregate_column).as_string(conn)
     if _bare(found or "") != _bare(expected):
@@ -113,6 +115,25 @@ def coverage_problem(
             f"--shards {shard.count} again"
         )
     return None
+
+
+def _filter_problem(
+    conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
+) -> str | None:
+    """A row filter on the publication of a relay that is not a shard's: the walsender never
+    sends the rows it keeps out, so the slot would be confirmed past their events."""
+    if conn.info.server_version < MIN_SHARDS_VERSION_NUM:  # no row filters before 15
+        return None
+    found = _one(conn, "row_filter", publication=publication, oid=table.oid).get("filter")
+    if found is None:
+        return None
+    return (
+        f"publication {publication} publishes only the rows of {table.qualified} where "
+        f"{found}, so the events of its other rows are never decoded; remove the filter "
+        f"(ALTER PUBLICATION {publication} SET TABLE {table.qualified}, with the "
+        "publication's other tables if it has any) and republish the rows it kept out, or "
+        "stream a shard's publication with --shard K/N"
+    )
 
 
 def besides_problem(

@@ -1,8 +1,8 @@
 """The outbox table by identity, while the relay streams: renamed, moved to another schema,
 dropped and made again, partitioned with partitions attached and detached, another table in
-the publication, the table dropped from the publication. Each ends with every committed event
-on Kafka, or with the relay stopped by a one-line error and the slot not confirmed past an
-event it did not relay."""
+the publication, the table dropped from the publication, a row filter put on it. Each ends
+with every committed event on Kafka, or with the relay stopped by a one-line error and the
+slot not confirmed past an event it did not relay."""
 
 from __future__ import annotations
 
@@ -153,6 +153,59 @@ def test_the_table_dropped_from_the_publication_stops_the_relay_before_the_slot_
         _stopped_with(again, "does not publish public.outbox_events")
     finally:
         again.close()
+
+
+def _filter(dsn: str, names: Any) -> None:
+    """A row filter on the outbox's publication: the walsender never sends a row it keeps out,
+    so a relay that went on would confirm the slot past events nobody relays."""
+    _sql(
+        dsn,
+        f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events "
+        "WHERE (aggregate_id <> 'b')",
+    )
+
+
+def test_a_row_filter_put_on_the_publication_stops_the_relay_before_the_slot_passes_a_row(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    setup_slot(outbox_db, names)
+    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
+    try:
+        before = _wal_lsn(outbox_db)
+        _filter(outbox_db, names)
+        _insert(outbox_db, "outbox_events", "b")  # kept out by the filter
+        _insert(outbox_db, "outbox_events", "a")
+        _stopped_with(relay, "publishes only the rows of public.outbox_events where")
+    finally:
+        relay.close()
+    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+
+
+def test_a_publication_with_a_row_filter_is_refused_at_start_by_stream_setup_slot_and_status(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    setup_slot(outbox_db, names)
+    _filter(outbox_db, names)
+    before = _wal_lsn(outbox_db)
+    _insert(outbox_db, "outbox_events", "b")  # kept out by the filter
+    _insert(outbox_db, "outbox_events", "a")
+    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    try:
+        line = _stopped_with(relay, "publishes only the rows of public.outbox_events where")
+    finally:
+        relay.close()
+    assert f"ALTER PUBLICATION {names.publication} SET TABLE public.outbox_events" in line
+    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    args = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    for command, code in (("setup-slot", 1), ("status", 3)):
+        shown = subprocess.run(
+            [sys.executable, "-m", "cdc_relay", command, *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert shown.returncode == code, shown
+        assert "publishes only the rows of public.outbox_events where" in shown.stderr, shown
 
 
 def test_a_dropped_table_stops_the_relay_and_its_events_arrive_after_it_is_made_again(
