@@ -946,7 +946,7 @@ def status_command(
         kafka = producer_config(kafka_bootstrap, kafka_settings(kafka_config, kafka_config_file))
     states, alerts = [], []
     for spec in _specs(slot, publication, table, shards):
-        state = status(dsn, spec.slot, table, spec.publication, wait)
+        state = status(dsn, spec.slot, table, spec.publication, wait, spec.shard)
         if kafka is not None:
             eos = ExactlyOnce(transactional_id or eos_id(spec.slot), checkpoint_topic)
             state["checkpoint"] = checkpoint_status(kafka, eos, kafka_timeout).as_json()

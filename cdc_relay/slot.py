@@ -96,17 +96,25 @@ def coverage_problem(
     publication: str,
     table: OutboxTable,
     shard: Shard | None = None,
-    aggregate_column: str = "aggregate_id",
+    aggregate_column: str | None = "aggregate_id",
 ) -> str | None:
-    """Why ``publication`` does not publish the inserts of ``table`` (every row of it; for a
-    shard: exactly the shard's rows), with the remedy; None when it does."""
+    """Why ``publication`` does not publish the inserts of ``table`` (every column, and every
+    row of it; for a shard: exactly the shard's rows, by their ``aggregate_column``, or by a
+    row filter of any column when it is None: status does not know it), with the remedy;
+    None when it does."""
     problem = _coverage_problem(conn, publication, table)
     if problem:
         return problem
-    if shard is None:
-        return _filter_problem(conn, publication, table)
-    found = _one(conn, "row_filter", publication=publication, oid=table.oid).get("filter")
-    expected = shard.row_filter(aggregate_column).as_string(conn)
+    if conn.info.server_version < MIN_SHARDS_VERSION_NUM:  # no row filters nor column lists
+        return None if shard is None else f"shard {shard} needs PostgreSQL 15 (row filters)"
+    part = _one(conn, "published_part", publication=publication, oid=table.oid)
+    found = part.get("filter")
+    problem = _part_problem(publication, table, found, part.get("left_out") or [], shard)
+    if problem or shard is None:
+        return problem
+    if found is not None and aggregate_column is None:
+        return None  # a shard's filter, on a column status is not told
+    expected = shard.row_filter(aggregate_column or "aggregate_id").as_string(conn)
     if _bare(found or "") != _bare(expected):
         return (
             f"publication {publication} does not publish the rows of shard {shard} of "
@@ -117,23 +125,37 @@ def coverage_problem(
     return None
 
 
-def _filter_problem(
-    conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
+def _part_problem(
+    publication: str,
+    table: OutboxTable,
+    found: str | None,
+    left_out: Sequence[str],
+    shard: Shard | None,
 ) -> str | None:
-    """A row filter on the publication of a relay that is not a shard's: the walsender never
-    sends the rows it keeps out, so the slot would be confirmed past their events."""
-    if conn.info.server_version < MIN_SHARDS_VERSION_NUM:  # no row filters before 15
-        return None
-    found = _one(conn, "row_filter", publication=publication, oid=table.oid).get("filter")
-    if found is None:
-        return None
-    return (
-        f"publication {publication} publishes only the rows of {table.qualified} where "
-        f"{found}, so the events of its other rows are never decoded; remove the filter "
-        f"(ALTER PUBLICATION {publication} SET TABLE {table.qualified}, with the "
-        "publication's other tables if it has any) and republish the rows it kept out, or "
-        "stream a shard's publication with --shard K/N"
+    """Why the publication publishes too little of ``table``: a column list (the walsender
+    never sends the columns it leaves out, so events would lose a header or created_at, or
+    stop the relay), or a row filter on a relay's that is not a shard's (the walsender never
+    sends the rows it keeps out, so the slot would be confirmed past their events)."""
+    remove = (
+        f"(ALTER PUBLICATION {publication} SET TABLE {table.qualified}"
+        f"{' WHERE (' + found + ')' if shard is not None and found else ''}, with the "
+        "publication's other tables if it has any)"
     )
+    if left_out:
+        return (
+            f"publication {publication} leaves column{'s' if len(left_out) > 1 else ''} "
+            f"{', '.join(left_out)} of {table.qualified} out (a column list), so events would "
+            "reach Kafka without what they hold or stop the relay; publish every column: "
+            f"remove the column list {remove}"
+        )
+    if found is not None and shard is None:
+        return (
+            f"publication {publication} publishes only the rows of {table.qualified} where "
+            f"{found}, so the events of its other rows are never decoded; remove the filter "
+            f"{remove} and republish the rows it kept out, or stream a shard's publication "
+            "with --shard K/N"
+        )
+    return None
 
 
 def besides_problem(
@@ -580,13 +602,19 @@ def relay_problem(
 
 
 def status(
-    dsn: str, slot_name: str, table: str, publication: str, wait: float = 5.0
+    dsn: str,
+    slot_name: str,
+    table: str,
+    publication: str,
+    wait: float = 5.0,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """The slot's state and the outbox's counts, for ``cdc-relay status``.
 
     When the slot relays the table, its rows are told apart by horizon.py's rule: confirmed
     (on Kafka) or not, once the slot has confirmed the WAL position of the start, which is
-    waited for up to ``wait`` seconds.
+    waited for up to ``wait`` seconds. ``shard``: the slot's, whose publication keeps the
+    shard's rows (so the slot confirms those only, and its rows are not told apart).
     """
     with connect(dsn) as conn:
         slot = _one(conn, "slot", slot=slot_name)
@@ -595,7 +623,7 @@ def status(
         published = bool(_one(conn, "publication", publication=publication))
         # Only a pgoutput slot reads the publication; one that is not there is shown as such.
         publication_problem = (
-            coverage_problem(conn, publication, outbox)
+            coverage_problem(conn, publication, outbox, shard, aggregate_column=None)
             if outbox is not None and published and slot.get("plugin") == "pgoutput"
             else None
         )

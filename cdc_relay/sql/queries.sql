@@ -73,10 +73,18 @@ SELECT p.pubinsert AS inserts,
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
--- row_filter --
--- The row filter (WHERE) under which the publication publishes the table, as PostgreSQL prints
--- it; NULL when it has none (PostgreSQL 15 and later)
-SELECT pg_get_expr(g.qual, g.relid) AS filter
+-- published_part --
+-- What of the table the publication publishes, when not all of it (PostgreSQL 15 and later):
+-- its row filter (WHERE) as PostgreSQL prints it, NULL when it has none; the columns its
+-- column list leaves out, empty when it has none (attrs is NULL on 15 without a list, every
+-- column on 16 and later)
+SELECT pg_get_expr(g.qual, g.relid) AS filter,
+       array(SELECT a.attname::text
+             FROM pg_attribute a
+             WHERE a.attrelid = g.relid AND a.attnum > 0 AND NOT a.attisdropped
+               AND a.attgenerated = '' AND g.attrs IS NOT NULL
+               AND a.attnum <> ALL (g.attrs::int2[])
+             ORDER BY a.attnum) AS left_out
 FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
 WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 

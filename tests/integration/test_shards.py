@@ -227,6 +227,41 @@ def test_a_shard_refuses_a_publication_that_filters_other_rows(
     assert f"publication {names.publication}_1of2 does not publish the rows of shard 1/2" in line
 
 
+def test_prune_refuses_a_shards_slot_which_confirms_its_own_rows_only(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    # Shard 0's slot passes the rows of shard 1 without relaying them: pruning by it would
+    # delete rows whose events shard 1 has not relayed (its relay is not even running here).
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    assert cli("setup-slot", *base, "--shards", "2").returncode == 0
+    written = Load(outbox_db, writers=1, pause=0.001, aggregates=20).start()
+    time.sleep(0.5)
+    events = written.stop()
+    assert {Shard(0, 2).owns(w.aggregate_id) for w in events} == {True, False}
+    relay = shard_relay(tmp_path, outbox_db, kafka_service, names, "0/2").start()
+    try:
+        mine = [w for w in events if Shard(0, 2).owns(w.aggregate_id)]
+        assert len(consume(kafka_service.bootstrap, names.topic_prefix, len(mine))) == len(mine)
+        time.sleep(1.1)  # every row older than --older-than
+        pruned = cli(
+            "prune",
+            "--dsn",
+            outbox_db,
+            "--slot",
+            f"{names.slot}_0of2",
+            "--publication",
+            f"{names.publication}_0of2",
+            "--older-than",
+            "1s",
+        )
+    finally:
+        relay.close()
+    assert pruned.returncode == 1, pruned
+    assert "publishes only the rows of public.outbox_events where" in pruned.stderr, pruned
+    with psycopg.connect(outbox_db) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_events").fetchone() == (len(events),)
+
+
 def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_nothing(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:

@@ -1,8 +1,8 @@
 """The outbox table by identity, while the relay streams: renamed, moved to another schema,
 dropped and made again, partitioned with partitions attached and detached, another table in
-the publication, the table dropped from the publication, a row filter put on it. Each ends
-with every committed event on Kafka, or with the relay stopped by a one-line error and the
-slot not confirmed past an event it did not relay."""
+the publication, the table dropped from the publication, a row filter or a column list put on
+it. Each ends with every committed event on Kafka, or with the relay stopped by a one-line
+error and the slot not confirmed past an event it did not relay."""
 
 from __future__ import annotations
 
@@ -213,6 +213,35 @@ def test_a_publication_with_a_row_filter_is_refused_by_stream_setup_slot_status_
         assert "publishes only the rows of public.outbox_events where" in shown.stderr, shown
     with psycopg.connect(outbox_db) as conn:
         assert conn.execute("SELECT count(*) FROM outbox_events").fetchone() == (2,)
+
+
+def test_a_column_list_on_the_publication_is_refused_at_start_and_stops_a_streaming_relay(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    # The walsender never sends a column the list leaves out: events would lose a header or
+    # their created_at (the CloudEvents time) on the way, as nothing else on the wire shows.
+    setup_slot(outbox_db, names)
+    listed = (
+        f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events "
+        "(id, aggregate_type, aggregate_id, event_type, payload)"
+    )
+    _sql(outbox_db, listed)
+    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    try:
+        line = _stopped_with(relay, "leaves columns seq, attempts, retry_after, last_error")
+    finally:
+        relay.close()
+    assert "created_at, processed_at of public.outbox_events out (a column list)" in line
+    _sql(outbox_db, f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events")
+    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
+    try:
+        before = _wal_lsn(outbox_db)
+        _sql(outbox_db, listed)
+        _insert(outbox_db, "outbox_events", "a")
+        _stopped_with(relay, "(a column list)")
+    finally:
+        relay.close()
+    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
 
 
 def test_a_dropped_table_stops_the_relay_and_its_events_arrive_after_it_is_made_again(
