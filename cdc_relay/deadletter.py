@@ -22,11 +22,11 @@ from psycopg.rows import dict_row
 
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.poller import refused, resolve
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost
 from cdc_relay.routing import Message
 from cdc_relay.slot import connect
+from cdc_relay.store import refused, resolve
 
 TABLE = "cdc_relay_dead_letters"
 

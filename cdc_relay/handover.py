@@ -25,17 +25,11 @@ from psycopg.rows import RowFactory, RowMaker, class_row
 
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.poller import (
-    Outbox,
-    OutboxRow,
-    PollSettings,
-    check_columns,
-    first_line,
-    resolve,
-)
+from cdc_relay.poller import PollSettings
 from cdc_relay.publisher import Publisher
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
+from cdc_relay.store import Outbox, OutboxRow, check_columns, first_line, resolve
 
 
 @dataclass
