@@ -16,7 +16,7 @@ import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,7 @@ class MemoryOutbox:
         self.commits = 0
         self.rollbacks = 0
         self.claimed: list[list[str]] = []  # the ids of each claim that returned rows
+        self.before_claim: Callable[[], object] = lambda: None  # the test's look, each claim
 
     def add(self, aggregate: str, n: int = 1, payload: bytes | None = b"{}") -> list[str]:
         """``n`` new rows of aggregate ``aggregate`` (type ``order``); their ids."""
@@ -163,6 +164,7 @@ class MemoryClaims:
     def claim_aggregates(self, limit: int, shard: int, shards: int, skip: list[int]) -> list[int]:
         assert self._marks is not None, "outside a transaction"
         self.store.failing("claim_aggregates")
+        self.store.before_claim()
         now = time.monotonic()
         keys: set[int] = set()
         got = 0

@@ -186,6 +186,39 @@ def test_a_refused_batch_makes_suspects_the_culprit_alone_becomes_a_dead_letter(
     assert min(again) > max(n for n, i in enumerate(offered) if i == poison)
 
 
+def test_a_row_tried_again_goes_with_nothing_else_in_flight() -> None:
+    store = MemoryOutbox()
+    fresh = store.add("x")[0]
+    innocent = store.add("a")[0]
+    poison = store.add("b")[0]
+    later = store.add("y")[0]
+    # The rows new to Kafka before and after the retried ones are locked by another
+    # transaction at the first claim, and free by the time the retried ones are due again:
+    # the second claim mixes rows tried before with rows that were not.
+    store.locked_rows |= {fresh, later}
+
+    def free_once_due() -> None:
+        row = store.row(poison)
+        if row.retry_after is not None and row.retry_after <= time.monotonic():
+            store.locked_rows.clear()
+
+    store.before_claim = free_once_due
+    relay = Relay(store, max_attempts=2)
+    relay.poison[poison] = KafkaError.MSG_SIZE_TOO_LARGE
+
+    relay.run_until(store.done)
+
+    assert relay.error is None
+    assert store.claimed[0] == [innocent, poison]
+    offers = {i: [o for j, o in relay.sinks[0].offered if j == i] for i in store.claimed[0]}
+    assert offers[poison] == [1, 0]  # beside the innocent first; then alone
+    assert offers[innocent][1:] == [0]
+    assert store.row(poison).dead
+    # The row after the retried ones went only once the culprit's report had come.
+    assert [o for j, o in relay.sinks[0].offered if j == later] == [0]
+    assert store.row(fresh).processed and store.row(later).processed
+
+
 def test_a_suspect_is_never_a_dead_letter_whatever_max_attempts() -> None:
     store = MemoryOutbox()
     innocent = store.add("a")[0]
@@ -206,6 +239,7 @@ def test_what_the_router_refuses_is_the_rows_own_at_once() -> None:
     store = MemoryOutbox()
     ok = store.add("a")[0]
     empty = store.add("b", payload=None)[0]  # a NULL payload, without tombstones
+    behind = store.add("b")[0]
     relay = Relay(store, max_attempts=1)
 
     relay.run_until(store.done)
@@ -215,6 +249,12 @@ def test_what_the_router_refuses_is_the_rows_own_at_once() -> None:
     assert store.row(empty).dead
     assert store.row(empty).attempts == 1
     assert empty not in relay.offered()
+    # The row behind it was held back in that batch (a later claim took it, once the refused
+    # row was a dead letter, which holds nothing back), and went out then.
+    assert store.claimed[0] == [ok, empty, behind]
+    assert relay.offered() == [ok, behind]
+    assert sum(behind in claim for claim in store.claimed) == 2
+    assert store.row(behind).processed
 
 
 def test_rows_behind_a_failed_one_of_their_aggregate_wait_for_it() -> None:
