@@ -212,6 +212,7 @@ class Worker:
         """One batch: claim, publish, mark, commit. Returns how many rows were claimed."""
         settings = self.settings
         claims = self.claims
+        claims.open()  # a batch's duration does not count connecting
         started = time.monotonic()
         with claims.transaction():
             keys = claims.claim_aggregates(

@@ -142,6 +142,10 @@ class Claims(Protocol):
     runs inside ``transaction``; each raises psycopg's DatabaseError as PostgreSQL refuses
     (the loop decides what it means: store.kind)."""
 
+    def open(self) -> None:
+        """Connect if not connected (``transaction`` does too); a new connection takes the
+        outbox's advisory lock first."""
+
     def transaction(self) -> AbstractContextManager[object]:
         """One cycle: committed when it ends, rolled back (claims released, nothing marked)
         when it raises. A new connection takes the outbox's advisory lock first."""

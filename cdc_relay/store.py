@@ -288,6 +288,10 @@ class PgClaims:
         self._mark_processed = outbox.query("mark_processed")
         self._mark_failed = outbox.query("mark_failed")
 
+    def open(self) -> None:
+        """Connect, if not connected; a new connection takes the outbox's lock first."""
+        self._connection()
+
     def _connection(self) -> psycopg.Connection[Any]:
         """The worker's connection; a new one takes the outbox's lock before its first claim."""
         if self._conn is None or self._conn.closed:

@@ -122,13 +122,16 @@ class MemoryClaims:
         self.connected = False
         self._marks: list[tuple[Row, dict[str, Any]]] | None = None  # in the transaction
 
+    def open(self) -> None:
+        if not self.connected:
+            self.store.failing("connect")
+            self.connected = True
+            self.store.connections += 1
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         store = self.store
-        if not self.connected:
-            store.failing("connect")
-            self.connected = True
-            store.connections += 1
+        self.open()
         self._marks = []
         try:
             yield

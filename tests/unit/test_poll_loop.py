@@ -63,9 +63,7 @@ class Relay:
             self.sinks.append(sink)
             return sink
 
-        self.relay = PollRelay(
-            settings(**more), open_store=lambda dsn, outbox: store, open_sink=open_sink
-        )
+        self.relay = PollRelay(settings(**more), open_sink=open_sink)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._poll, name="test-poll")
 
