@@ -43,6 +43,7 @@ class Row:
     processed: bool = False
     last_error: str | None = None
     marks: list[str] = field(default_factory=list)  # "processed", "failed": committed marks
+    payload_type: int = JSONB_OID  # what pg_typeof says of it (the column retyped: another)
 
     @property
     def key(self) -> int:
@@ -209,7 +210,7 @@ class MemoryClaims:
                     aggregate_id=r.aggregate_id,
                     event_type="created",
                     payload=r.payload,
-                    payload_type=JSONB_OID,
+                    payload_type=r.payload_type,
                     attempts=r.attempts,
                     seq=r.seq,
                     key=r.key,

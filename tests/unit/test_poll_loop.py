@@ -369,6 +369,26 @@ def test_an_error_the_user_must_fix_stops_the_relay_with_one_line() -> None:
     assert relay.acked() == []
 
 
+def test_a_payload_column_retyped_while_polling_stops_before_publishing_its_rows() -> None:
+    store = MemoryOutbox()
+    before = store.add("a", 2)
+    relay = Relay(store)
+
+    def retype_then_write() -> bool:
+        if all(store.row(i).processed for i in before) and len(store.rows) == 2:
+            for i in store.add("a", 2):
+                store.row(i).payload_type = 25  # text now: read as jsonb it was other bytes
+            relay.relay.wake.notify()
+        return False
+
+    relay.run_until(retype_then_write)
+
+    assert isinstance(relay.error, RelayError)
+    assert "the payload column of public.outbox_events changed type" in str(relay.error)
+    assert relay.acked() == before
+    assert not any(r.marks for r in store.rows[2:])
+
+
 def test_stopping_with_reports_outstanding_leaves_the_rows_unprocessed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
