@@ -260,14 +260,43 @@ def take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
     )
 
 
+# -- what the commands beside the relay ask of it ---------------------------------------------
+
+
+def counts(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> dict[str, int]:
+    """The outbox's ``unprocessed`` rows and the ``dead_letters`` among them."""
+    return conn.execute(outbox.query("pending_counts")).fetchone() or {}
+
+
 def pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
     """The outbox's unprocessed rows and dead letters; None when the database cannot say (the
     workers meet the same error and report it)."""
     try:
         with psycopg.connect(conninfo, autocommit=True, row_factory=dict_row) as conn:
-            return conn.execute(outbox.query("pending_counts")).fetchone()
+            return counts(conn, outbox) or None
     except psycopg.DatabaseError:
         return None
+
+
+def dead_letters(
+    conn: psycopg.Connection[dict[str, Any]], outbox: Outbox, limit: int
+) -> list[dict[str, Any]]:
+    """The oldest ``limit`` rows the poller gave up on."""
+    return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
+
+
+def retry_dead_letters(
+    conn: psycopg.Connection[dict[str, Any]], outbox: Outbox, ids: Sequence[str] | None
+) -> list[str]:
+    """Put dead letters (those of ``ids``, or all) back in the queue and wake the pollers, in
+    one transaction; the ids queued again."""
+    with conn.transaction():
+        rows = conn.execute(
+            outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
+        ).fetchall()
+        if rows:
+            conn.execute(QUERIES["notify"], {"channel": outbox.channel})
+    return [row["id"] for row in rows]
 
 
 class PgClaims:
