@@ -20,13 +20,14 @@ import psycopg
 from confluent_kafka import KafkaError
 from psycopg.rows import dict_row
 
+from cdc_relay import store
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.poller import refused, resolve
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost
 from cdc_relay.routing import Message
 from cdc_relay.slot import connect
+from cdc_relay.store import refused, resolve
 
 TABLE = "cdc_relay_dead_letters"
 
@@ -105,7 +106,7 @@ def dead_letters(dsn: str, table: str, limit: int) -> list[dict[str, Any]]:
     with connect(dsn) as conn:
         outbox = resolve(conn, table)
         with refused(outbox, "the dead-letter query"):
-            return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
+            return store.dead_letters(conn, outbox, limit)
 
 
 def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[str]:
@@ -115,10 +116,5 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
     """
     with connect(dsn) as conn:
         outbox = resolve(conn, table)
-        with refused(outbox, "the retry of dead letters"), conn.transaction():
-            rows = conn.execute(
-                outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
-            ).fetchall()
-            if rows:
-                conn.execute(QUERIES["notify"], {"channel": outbox.channel})
-    return [row["id"] for row in rows]
+        with refused(outbox, "the retry of dead letters"):
+            return store.retry_dead_letters(conn, outbox, ids)

@@ -25,17 +25,11 @@ from psycopg.rows import RowFactory, RowMaker, class_row
 
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.poller import (
-    Outbox,
-    OutboxRow,
-    PollSettings,
-    check_columns,
-    first_line,
-    resolve,
-)
+from cdc_relay.poller import PollSettings
 from cdc_relay.publisher import Publisher
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
+from cdc_relay.store import Outbox, OutboxRow, check_columns, counts, first_line, resolve
 
 
 @dataclass
@@ -233,10 +227,10 @@ def _check_handover(
             "row; drop it (cdc-relay drop-slot) or choose another --slot"
         )
     _check_room(conn, "the handover")
-    counts = conn.execute(outbox.query("pending_counts")).fetchone() or {}
-    if counts.get("dead_letters"):
+    pending = counts(conn, outbox)
+    if pending.get("dead_letters"):
         raise PreflightError(
-            f"{counts['dead_letters']} dead letters are in {outbox.qualified}; retry them "
+            f"{pending['dead_letters']} dead letters are in {outbox.qualified}; retry them "
             "(cdc-relay dead-letters retry, with a poller running) or delete them, then "
             "run the handover again"
         )

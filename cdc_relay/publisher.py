@@ -15,9 +15,10 @@ from cdc_relay.errors import RelayError
 from cdc_relay.refusals import is_culprit
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink
+from cdc_relay.store import OutboxRow
 
 if TYPE_CHECKING:  # the poller imports this module
-    from cdc_relay.poller import OutboxRow, PollSettings
+    from cdc_relay.poller import PollSettings
     from cdc_relay.stages import OpenSink, Sink
 
 WAIT_SLICE = 0.2  # seconds between looks at the stop flag while waiting for Kafka

@@ -6,6 +6,10 @@ dead-letter store (deadletter.py), and for exactly once the transactional sink a
 checkpoint store (exactly_once.py). A unit test gives it in-memory ones and runs the loop
 with no database and no broker (tests/unit/test_stream_loop.py, test_stream_loop_eos.py).
 
+``poller.py`` takes the same sink, and the outbox as its source and checkpointer at once: a
+worker claims rows and marks them in one transaction (``Claims``, of an ``OutboxStore``;
+store.py has the real ones, tests/unit/test_poll_loop.py an in-memory one).
+
 Narrow on purpose: exactly what the loop and the publisher call, no more; ``mypy --strict``
 proves that the real classes satisfy them.
 """
@@ -13,6 +17,7 @@ proves that the real classes satisfy them.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 import psycopg
@@ -23,6 +28,7 @@ from cdc_relay.lsn import Lsn
 from cdc_relay.replication import Keepalive, XLogData
 from cdc_relay.routing import Message
 from cdc_relay.sink import Acked, Refused
+from cdc_relay.store import Outbox, OutboxRow
 
 
 class Source(Protocol):
@@ -130,6 +136,66 @@ class DeadLetterStore(Protocol):
         """Release what it holds."""
 
 
+class Claims(Protocol):
+    """One poll worker's hold on the outbox: the source (claims) and the checkpointer (marks)
+    of the poll loop, which are one transaction. Every method but ``transaction`` and ``close``
+    runs inside ``transaction``; each raises psycopg's DatabaseError as PostgreSQL refuses
+    (the loop decides what it means: store.kind)."""
+
+    def open(self) -> None:
+        """Connect if not connected (``transaction`` does too); a new connection takes the
+        outbox's advisory lock first."""
+
+    def transaction(self) -> AbstractContextManager[object]:
+        """One cycle: committed when it ends, rolled back (claims released, nothing marked)
+        when it raises. A new connection takes the outbox's advisory lock first."""
+
+    def claim_aggregates(self, limit: int, shard: int, shards: int, skip: list[int]) -> list[int]:
+        """Lock the aggregates of the next ``limit`` due rows of worker ``shard`` of ``shards``
+        (none another poller holds, none of ``skip``); their lock keys."""
+
+    def claim(self, limit: int, keys: list[int]) -> list[OutboxRow]:
+        """The next due rows of the aggregates of ``keys``, in queue order; a row another
+        transaction locks is skipped, not waited for."""
+
+    def claim_skipped(self, keys: list[int], last: int, ids: list[str]) -> dict[int, int]:
+        """For each aggregate of ``keys``: the first due row before ``last`` that the claim
+        (``ids``) did not return, by its ``seq``."""
+
+    def mark_processed(self, ids: list[str]) -> None:
+        """The rows Kafka acknowledged are done."""
+
+    def mark_failed(
+        self,
+        ids: list[str],
+        errors: list[str],
+        delays: list[float],
+        own: list[bool],
+        max_attempts: int,
+    ) -> dict[str, dict[str, Any]]:
+        """One more attempt for each refused row, due again after its delay; one out of
+        attempts whose failure was its ``own`` becomes a dead letter. By id: ``attempts``, and
+        ``dead`` for a dead letter."""
+
+    def close(self) -> None:
+        """Drop the connection (after a lost one, and at the end); the next transaction makes
+        a new one."""
+
+
+class OutboxStore(Protocol):
+    """The outbox table of ``poll`` (cdc_relay.store.PgStore)."""
+
+    @property
+    def outbox(self) -> Outbox:
+        """The table, as resolved at start."""
+
+    def claims(self) -> Claims:
+        """A worker's own claims (its own connection)."""
+
+    def pending_counts(self) -> dict[str, int] | None:
+        """``unprocessed`` rows and ``dead_letters`` among them; None when it cannot say."""
+
+
 # The factories ``StreamRelay`` takes: a source from the DSN (not started yet), a sink from
 # its two report callbacks, a dead-letter store from the DSN, the slot and the topic; for
 # exactly once, a transactional sink from the report callbacks, and the checkpoint store.
@@ -140,3 +206,5 @@ OpenTransactions = Callable[[Acked, Refused], TransactionalSink]
 # What exactly once asks the server on reconnecting, from the DSN and the slot: its timeline
 # and the slot's confirmed position there (None: no such slot); slot.timeline_of.
 ReadTimeline = Callable[[str, str], tuple[int, Lsn | None]]
+# What ``PollRelay`` takes: the store of the outbox from the connection string and the table.
+OpenStore = Callable[[str, Outbox], OutboxStore]

@@ -13,9 +13,10 @@ from typing import Any
 from confluent_kafka import KafkaError
 from test_stream_loop import Sink, event_id
 
-from cdc_relay.poller import OutboxRow, PollSettings
+from cdc_relay.poller import PollSettings
 from cdc_relay.publisher import Publisher
 from cdc_relay.routing import Message
+from cdc_relay.store import OutboxRow
 
 SETTINGS = PollSettings(
     dsn="test", kafka_config={}, topic_template="outbox.{aggregate_type}", table="outbox"

@@ -1,0 +1,415 @@
+"""The outbox table as the poller sees it: every query the poller runs on it, in one place.
+
+The table is resolved once (:func:`resolve`) and named by its schema and name from then on
+(:class:`Outbox`); what a database error means for the relay is decided here too
+(:func:`kind`, :func:`refusal`). ``PgStore`` is the real store of ``poll``: a worker's claims
+(:class:`PgClaims`: claim, mark, commit, on the worker's own connection, which holds the
+outbox's advisory lock) and the counts of the progress line. The poll loop (poller.py) takes
+it through the Protocols of stages.py (``OutboxStore``, ``Claims``), so that its unit tests
+run it on an in-memory outbox (tests/unit/test_poll_loop.py).
+
+The SQL itself is in sql/queries.sql, as named queries.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.rows import class_row, dict_row
+
+from cdc_relay.errors import PreflightError, RelayError
+from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
+from cdc_relay.queries import QUERIES
+from cdc_relay.slot import OutboxTable, find_table
+
+LOCK_CLASS = 0x43444352  # "CDCR"
+"""First key of the outbox's advisory lock (``pg_locks.classid``); the second is the table's
+oid (``pg_locks.objid``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    """An unprocessed row, as the claim reads it."""
+
+    id: str
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: bytes | None
+    payload_type: int  # pg_type oid of the payload column when the row was read
+    attempts: int
+    created_at: str | None = None  # ISO 8601 (to_jsonb), when the table has the column
+    payload_kind: PayloadKind = "json"
+    headers: tuple[tuple[str, bytes], ...] = ()  # --header-column values (a republish's)
+    seq: int | None = None  # the claim's: the row's place in the queue
+    key: int | None = None  # the claim's: its aggregate's lock key (claim_aggregates)
+
+    @property
+    def aggregate(self) -> tuple[str, str]:
+        return self.aggregate_type, self.aggregate_id
+
+    def event(self) -> OutboxEvent:
+        return OutboxEvent(
+            id=self.id,
+            aggregate_type=self.aggregate_type,
+            aggregate_id=self.aggregate_id,
+            event_type=self.event_type,
+            payload=self.payload,
+            commit_lsn=0,
+            xid=0,
+            commit_time_us=0,
+            headers=self.headers,
+            created_at=None if self.created_at is None else self.created_at.encode(),
+            payload_kind=self.payload_kind,
+        )
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+@dataclass(frozen=True)
+class Outbox:
+    """The outbox table of ``--table``, resolved once (``find_table``: quoting, case folding,
+    ``search_path``); every query names it by its schema and name from then on."""
+
+    table: OutboxTable
+    payload_type: int | None  # pg_type oid of the payload column; None without one
+    payload_bytea: bool  # bytea, or a domain over it
+    created_at: bool = False  # a created_at column of a timestamp type
+
+    @property
+    def qualified(self) -> str:
+        return self.table.qualified
+
+    @property
+    def channel(self) -> str:
+        """The NOTIFY channel of the trigger of cdc-relay schema poller on this table."""
+        return f"{self.table.schema}.{self.table.name}"
+
+    @property
+    def lock(self) -> dict[str, int]:
+        """The parameters of the table's advisory lock (poll_lock, handover_lock, pollers)."""
+        return {"lock_class": LOCK_CLASS, "table": self.table.oid}
+
+    def query(self, name: str, **more: sql.Composable) -> sql.Composed:
+        """A named query on this table (``more`` fills its other placeholders). The payload
+        expression is chosen here, once: a bytea payload goes out as the bytes stored, any other
+        type as its text (the bytes pgoutput sends, so both relays publish the same value)."""
+        payload = QUERIES["payload_bytes" if self.payload_bytea else "payload_text"]
+        return sql.SQL(QUERIES[name]).format(
+            table=sql.Identifier(self.table.schema, self.table.name),
+            payload=sql.SQL(payload),
+            created_at=sql.SQL(QUERIES["created_at_text" if self.created_at else "no_created_at"]),
+            payload_kind=sql.Literal(payload_kind(self.payload_type, self.payload_bytea)),
+            **more,
+        )
+
+    def check_payload(self, rows: Sequence[OutboxRow]) -> None:
+        """Refuse rows read after the payload column changed type: the expression chosen at
+        start would send other bytes than stored (a bytea read as text is its hex form)."""
+        if rows and rows[0].payload_type != self.payload_type:
+            raise RelayError(
+                f"the payload column of {self.qualified} changed type while the relay ran; "
+                "nothing was published from it since: start the relay again, which reads the "
+                "payload by the column's type"
+            )
+
+
+def resolve(
+    conn: psycopg.Connection[dict[str, Any]], table: str, payload_column: str = "payload"
+) -> Outbox:
+    """The outbox table ``table`` names, its payload in ``payload_column``; PreflightError if
+    there is none."""
+    try:
+        found = find_table(conn, table)
+    except psycopg.OperationalError:
+        raise
+    except psycopg.DatabaseError as exc:  # e.g. a name with too many dots
+        raise PreflightError(
+            f"--table {table!r} is not a table name PostgreSQL reads: {first_line(exc)}"
+        ) from None
+    if found is None:
+        raise PreflightError(
+            f"table {table} does not exist; create it with cdc-relay schema apply outbox, "
+            "or name yours with --table"
+        )
+    payload = (
+        conn.execute(
+            QUERIES["poll_payload"], {"oid": found.oid, "payload": payload_column}
+        ).fetchone()
+        or {}
+    )
+    return Outbox(
+        found,
+        payload.get("payload_type"),
+        bool(payload.get("payload_bytea")),
+        payload.get("created_at_type") in TIMESTAMP_OIDS,
+    )
+
+
+def check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> None:
+    missing = conn.execute(QUERIES["poll_columns"], {"oid": outbox.table.oid})
+    columns = (missing.fetchone() or {}).get("missing")
+    if columns:
+        raise PreflightError(
+            f"table {outbox.qualified} has no column {', '.join(columns)}, which the poller "
+            "needs; add them as cdc-relay schema show outbox does"
+        )
+
+
+# -- what a database error means ------------------------------------------------------------
+#
+# Three kinds. The connection and the server's passing state (class 08 and the rest of
+# psycopg's OperationalError: shutdown, too many connections, a cancelled query; 40:
+# serialization failure, deadlock) are retried with backoff on a new connection.
+#
+# A read-only server (25006) is waited out the same way, with a warning that says so. After a
+# failover the old primary comes back as a standby, or --dsn (a DNS name, a virtual IP, a
+# multi-host DSN) reaches the new primary only after a reconnect; a database made read-only
+# for maintenance becomes writable again. Waiting loses nothing: the claim is the first
+# statement of its transaction and FOR UPDATE is refused before any row is read, so nothing
+# was published, and a transaction that got past its claim is read-write to its end. Stopping
+# would only need someone to start the relay again once the cluster has settled.
+#
+# Anything else the server refuses (a dropped column or table, a revoked privilege, a
+# constraint) stays refused until someone changes the database: the relay stops with one line
+# that says what to do. The refused transaction is rolled back, so nothing is marked that
+# Kafka did not acknowledge; rows acknowledged but not marked are published again later.
+
+RETRY, READ_ONLY, REFUSED = "retry", "read-only", "refused"
+
+
+def kind(exc: psycopg.DatabaseError) -> str:
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return READ_ONLY
+    if isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback):
+        return RETRY
+    return REFUSED
+
+
+def refusal(exc: psycopg.DatabaseError, outbox: Outbox, doing: str) -> RelayError:
+    """The one-line error for a database error the user must act on."""
+    code = exc.sqlstate or ""
+    if code == "42501":
+        remedy = "grant the role of --dsn what cdc-relay schema show roles grants the poller"
+    elif code[:2] in ("42", "0A"):
+        remedy = f"make {outbox.qualified} as cdc-relay schema show outbox does"
+    elif code == "25006":
+        remedy = "run it against the primary"
+    elif kind(exc) == RETRY:
+        remedy = "check --dsn and the server"
+    else:
+        remedy = "fix the cause"
+    sqlstate = f" (SQLSTATE {code})" if code else ""
+    return RelayError(
+        f"PostgreSQL refused {doing} on {outbox.qualified}: {first_line(exc)}{sqlstate}; "
+        f"{remedy}, then run it again"
+    )
+
+
+@contextlib.contextmanager
+def refused(outbox: Outbox, doing: str) -> Iterator[None]:
+    """Database errors of a housekeeping command (dead letters, prune) as one line each."""
+    try:
+        yield
+    except psycopg.DatabaseError as exc:
+        raise refusal(exc, outbox, doing) from None
+
+
+def check_lock_room(
+    conn: psycopg.Connection[dict[str, Any]], workers: int, batch_size: int
+) -> None:
+    """Each worker's claim locks up to --batch-size aggregates in PostgreSQL's shared lock
+    table; refuse a configuration that would take over half of it."""
+    room = int((conn.execute(QUERIES["lock_room"]).fetchone() or {})["room"])
+    need = workers * batch_size
+    if need > room // 2:
+        raise PreflightError(
+            f"--workers x --batch-size = {need} aggregate locks at once, over half of "
+            f"PostgreSQL's lock table ({room}: max_locks_per_transaction x (max_connections + "
+            "max_prepared_transactions)); "
+            "lower --batch-size or --workers, or raise max_locks_per_transaction"
+        )
+
+
+def take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
+    """Take the outbox's advisory lock, shared, for as long as the session lasts; a
+    PreflightError if a handover holds it.
+
+    Session-level: behind a pooler in transaction mode it would not stay with the session, so
+    pollers must connect to PostgreSQL directly (or through session pooling).
+    """
+    with conn.cursor(row_factory=dict_row) as cur:
+        if (cur.execute(QUERIES["poll_lock"], outbox.lock).fetchone() or {}).get("locked"):
+            return
+        pids = [
+            str(r["pid"]) for r in cur.execute(QUERIES["pollers"], outbox.lock) if r["handover"]
+        ]
+    by = f" (pid {', '.join(pids)})" if pids else ""
+    raise PreflightError(
+        f"a handover to stream (cdc-relay setup-slot --from-poller) is running on "
+        f"{outbox.qualified}{by}; a poller must not run beside it: when the handover has "
+        "finished, run cdc-relay stream; if it failed, start the poller again"
+    )
+
+
+# -- what the commands beside the relay ask of it ---------------------------------------------
+
+
+def counts(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> dict[str, int]:
+    """The outbox's ``unprocessed`` rows and the ``dead_letters`` among them."""
+    return conn.execute(outbox.query("pending_counts")).fetchone() or {}
+
+
+def pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
+    """The outbox's unprocessed rows and dead letters; None when the database cannot say (the
+    workers meet the same error and report it)."""
+    try:
+        with psycopg.connect(conninfo, autocommit=True, row_factory=dict_row) as conn:
+            return counts(conn, outbox) or None
+    except psycopg.DatabaseError:
+        return None
+
+
+def dead_letters(
+    conn: psycopg.Connection[dict[str, Any]], outbox: Outbox, limit: int
+) -> list[dict[str, Any]]:
+    """The oldest ``limit`` rows the poller gave up on."""
+    return conn.execute(outbox.query("dead_letters"), {"limit": limit}).fetchall()
+
+
+def retry_dead_letters(
+    conn: psycopg.Connection[dict[str, Any]], outbox: Outbox, ids: Sequence[str] | None
+) -> list[str]:
+    """Put dead letters (those of ``ids``, or all) back in the queue and wake the pollers, in
+    one transaction; the ids queued again."""
+    with conn.transaction():
+        rows = conn.execute(
+            outbox.query("retry_dead_letters"), {"ids": list(ids) if ids else None}
+        ).fetchall()
+        if rows:
+            conn.execute(QUERIES["notify"], {"channel": outbox.channel})
+    return [row["id"] for row in rows]
+
+
+class PgClaims:
+    """One worker's claims on the outbox (cdc_relay.stages.Claims), on its own connection.
+
+    The connection is made at the first transaction after start or after ``close``, and takes
+    the outbox's advisory lock before its first claim. A database error propagates as
+    psycopg raises it: what it means (retry, wait, stop) is the loop's to decide.
+    """
+
+    def __init__(self, conninfo: str, outbox: Outbox) -> None:
+        self.conninfo = conninfo
+        self.outbox = outbox
+        self._conn: psycopg.Connection[Any] | None = None
+        self._claim_aggregates = outbox.query("claim_aggregates")
+        self._claim = outbox.query("claim")
+        self._claim_skipped = outbox.query("claim_skipped")
+        self._mark_processed = outbox.query("mark_processed")
+        self._mark_failed = outbox.query("mark_failed")
+
+    def open(self) -> None:
+        """Connect, if not connected; a new connection takes the outbox's lock first."""
+        self._connection()
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The worker's connection; a new one takes the outbox's lock before its first claim."""
+        if self._conn is None or self._conn.closed:
+            conn = psycopg.connect(self.conninfo, autocommit=True, row_factory=class_row(OutboxRow))
+            try:
+                take_poll_lock(conn, self.outbox)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One cycle's transaction: committed at the end, rolled back on an exception (which
+        releases every claim and lock it took)."""
+        with self._connection().transaction():
+            yield
+
+    def _require(self) -> psycopg.Connection[Any]:
+        if self._conn is None:
+            raise RuntimeError("a claim outside a transaction")
+        return self._conn
+
+    def claim_aggregates(self, limit: int, shard: int, shards: int, skip: list[int]) -> list[int]:
+        # Two statements: the second's snapshot sees what the aggregates' last holders
+        # committed before their locks came free (see claim_aggregates in queries.sql).
+        with self._require().cursor(row_factory=dict_row) as cur:
+            locked = cur.execute(
+                self._claim_aggregates,
+                {
+                    "limit": limit,
+                    "shard": shard,
+                    "shards": shards,
+                    "table_oid": self.outbox.table.oid,
+                    "skip": skip,
+                },
+            ).fetchone()
+        return list(locked["keys"]) if locked else []
+
+    def claim(self, limit: int, keys: list[int]) -> list[OutboxRow]:
+        return self._require().execute(self._claim, {"limit": limit, "keys": keys}).fetchall()
+
+    def claim_skipped(self, keys: list[int], last: int, ids: list[str]) -> dict[int, int]:
+        with self._require().cursor(row_factory=dict_row) as cur:
+            return {
+                row["key"]: row["seq"]
+                for row in cur.execute(
+                    self._claim_skipped, {"keys": keys, "last": last, "ids": ids}
+                )
+            }
+
+    def mark_processed(self, ids: list[str]) -> None:
+        self._require().execute(self._mark_processed, {"ids": ids})
+
+    def mark_failed(
+        self,
+        ids: list[str],
+        errors: list[str],
+        delays: list[float],
+        own: list[bool],
+        max_attempts: int,
+    ) -> dict[str, dict[str, Any]]:
+        params = {
+            "ids": ids,
+            "errors": errors,
+            "delays": delays,
+            "own": own,
+            "max_attempts": max_attempts,
+        }
+        with self._require().cursor(row_factory=dict_row) as cur:
+            return {r["id"]: r for r in cur.execute(self._mark_failed, params).fetchall()}
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class PgStore:
+    """The outbox in PostgreSQL (cdc_relay.stages.OutboxStore): each worker's claims, and the
+    counts the progress line reports."""
+
+    def __init__(self, conninfo: str, outbox: Outbox) -> None:
+        self.conninfo = conninfo
+        self.outbox = outbox
+
+    def claims(self) -> PgClaims:
+        return PgClaims(self.conninfo, self.outbox)
+
+    def pending_counts(self) -> dict[str, int] | None:
+        return pending_counts(self.conninfo, self.outbox)
