@@ -642,10 +642,11 @@ def status(
         counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
         missing = _one(conn, "poll_columns", oid=outbox.oid).get("missing") if outbox else None
         if found and "processed_at" not in (missing or ()):
-            statement = sql.SQL(QUERIES["unprocessed_count"]).format(table=sql.SQL(found["name"]))
+            # The dead letters of this table: the view outbox_dead_letters shows those of
+            # outbox_events only, whichever table --table names.
+            name = "unprocessed_count" if "retry_after" in (missing or ()) else "pending_counts"
+            statement = sql.SQL(QUERIES[name]).format(table=sql.SQL(found["name"]))
             counts.update(conn.execute(statement).fetchone() or {})
-        if _one(conn, "dead_letter_view").get("present"):
-            counts.update(_one(conn, "dead_letter_count"))
         rows = _confirmed_rows(conn, slot_name, outbox, wait) if relays and outbox else {}
     return {
         "slot": slot_name,

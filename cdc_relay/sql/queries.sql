@@ -242,13 +242,6 @@ VALUES (%(id)s, %(aggregate_type)s, %(aggregate_id)s, %(event_type)s, %(payload)
 -- Rows the polling relay has not processed yet
 SELECT count(*)::bigint AS unprocessed FROM {table} WHERE processed_at IS NULL
 
--- dead_letter_view --
--- Whether the poller's dead-letter view exists
-SELECT to_regclass('outbox_dead_letters') IS NOT NULL AS present
-
--- dead_letter_count --
-SELECT count(*)::bigint AS dead_letters FROM outbox_dead_letters
-
 -- poll_columns --
 -- Columns the polling relay needs that the outbox table lacks
 SELECT array(

@@ -464,12 +464,20 @@ def test_status_and_prune_work_on_each_table_of_the_slot(
     try:
         ids = [_insert(empty_db, TABLES[n % 2], f"a{n}")[0] for n in range(5)]
         assert set(_topics(kafka_service, names, 5)) == set(ids)
+        # A row of the second table parked as a poller's dead letter: status counts each
+        # table's own (the view outbox_dead_letters shows public.outbox_events' only).
+        _sql(
+            empty_db,
+            f"UPDATE {TABLES[1]} SET attempts = 10, retry_after = 'infinity' "  # noqa: S608 - test names
+            f"WHERE id = '{ids[1]}'",
+        )
         base = ["--dsn", empty_db, "--slot", names.slot, "--publication", names.publication]
-        for table, count in ((TABLES[0], 3), (TABLES[1], 2)):
+        for table, count, dead in ((TABLES[0], 3, 0), (TABLES[1], 2, 1)):
             shown = cli("status", *base, "--table", table, "--json")
             assert shown.returncode == 0, shown
             state = json.loads(shown.stdout)
             assert (state["confirmed_rows"], state["unconfirmed_rows"]) == (count, 0), state
+            assert (state["unprocessed_rows"], state["dead_letters"]) == (count, dead), state
         # trace finds an event of the second table on its tenant's topic.
         traced = cli(
             "trace",
