@@ -89,6 +89,30 @@ def _stopped_with(relay: RelayProcess, text: str) -> str:
     return last
 
 
+def _stopped_by(
+    tmp_path: Path,
+    dsn: str,
+    kafka: Any,
+    names: Any,
+    statement: str,
+    writes: tuple[tuple[str, str], ...],
+    text: str,
+) -> None:
+    """A streaming relay, then ``statement``, then an event for each (table, aggregate id) of
+    ``writes``: the relay stops with ``text``, its slot not confirmed past the WAL position
+    before the statement (an operator can still republish what it did not relay)."""
+    relay, _ = _streaming(tmp_path, dsn, kafka, names)
+    try:
+        before = _wal_lsn(dsn)
+        _sql(dsn, statement)
+        for table, aggregate_id in writes:
+            _insert(dsn, table, aggregate_id)
+        _stopped_with(relay, text)
+    finally:
+        relay.close()
+    assert parse_lsn(str(slot_row(dsn, names.slot)["confirmed"])) <= before
+
+
 def test_a_renamed_table_and_one_moved_to_another_schema_are_followed(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
@@ -112,31 +136,30 @@ def test_a_wal2json_slot_stops_at_a_rename_before_confirming_past_it(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names, plugin="wal2json")
-    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
-    try:
-        before = _wal_lsn(outbox_db)
-        _sql(outbox_db, "ALTER TABLE outbox_events RENAME TO outbox_events_v2")
-        _insert(outbox_db, "outbox_events_v2", "a")
-        _stopped_with(relay, "renamed to public.outbox_events_v2")
-    finally:
-        relay.close()
-    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    _stopped_by(
+        tmp_path,
+        outbox_db,
+        kafka_service,
+        names,
+        "ALTER TABLE outbox_events RENAME TO outbox_events_v2",
+        (("outbox_events_v2", "a"),),
+        "renamed to public.outbox_events_v2",
+    )
 
 
 def test_the_table_dropped_from_the_publication_stops_the_relay_before_the_slot_passes_it(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
-    try:
-        before = _wal_lsn(outbox_db)
-        _sql(outbox_db, f"ALTER PUBLICATION {names.publication} DROP TABLE outbox_events")
-        _insert(outbox_db, "outbox_events", "a")
-        _stopped_with(relay, f"ALTER PUBLICATION {names.publication} ADD TABLE")
-    finally:
-        relay.close()
-    # Not past the insert the publication did not carry: an operator can still republish it.
-    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    _stopped_by(
+        tmp_path,
+        outbox_db,
+        kafka_service,
+        names,
+        f"ALTER PUBLICATION {names.publication} DROP TABLE outbox_events",
+        (("outbox_events", "a"),),
+        f"ALTER PUBLICATION {names.publication} ADD TABLE",
+    )
     # `status` says so, as an alert (exit 3).
     args = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
     shown = subprocess.run(
@@ -156,13 +179,11 @@ def test_the_table_dropped_from_the_publication_stops_the_relay_before_the_slot_
         again.close()
 
 
-def _filter(dsn: str, names: Any) -> None:
+def _filter(names: Any) -> str:
     """A row filter on the outbox's publication: the walsender never sends a row it keeps out,
     so a relay that went on would confirm the slot past events nobody relays."""
-    _sql(
-        dsn,
-        f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events "
-        "WHERE (aggregate_id <> 'b')",
+    return (
+        f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events WHERE (aggregate_id <> 'b')"
     )
 
 
@@ -170,23 +191,22 @@ def test_a_row_filter_put_on_the_publication_stops_the_relay_before_the_slot_pas
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
-    try:
-        before = _wal_lsn(outbox_db)
-        _filter(outbox_db, names)
-        _insert(outbox_db, "outbox_events", "b")  # kept out by the filter
-        _insert(outbox_db, "outbox_events", "a")
-        _stopped_with(relay, "publishes only the rows of public.outbox_events where")
-    finally:
-        relay.close()
-    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    _stopped_by(
+        tmp_path,
+        outbox_db,
+        kafka_service,
+        names,
+        _filter(names),
+        (("outbox_events", "b"), ("outbox_events", "a")),  # b: kept out by the filter
+        "publishes only the rows of public.outbox_events where",
+    )
 
 
 def test_a_publication_with_a_row_filter_is_refused_by_stream_setup_slot_status_and_prune(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    _filter(outbox_db, names)
+    _sql(outbox_db, _filter(names))
     before = _wal_lsn(outbox_db)
     _insert(outbox_db, "outbox_events", "b")  # kept out by the filter
     _insert(outbox_db, "outbox_events", "a")
@@ -233,15 +253,15 @@ def test_a_column_list_on_the_publication_is_refused_at_start_and_stops_a_stream
         relay.close()
     assert "created_at, processed_at of public.outbox_events out (a column list)" in line
     _sql(outbox_db, f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events")
-    relay, _ = _streaming(tmp_path, outbox_db, kafka_service, names)
-    try:
-        before = _wal_lsn(outbox_db)
-        _sql(outbox_db, listed)
-        _insert(outbox_db, "outbox_events", "a")
-        _stopped_with(relay, "(a column list)")
-    finally:
-        relay.close()
-    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    _stopped_by(
+        tmp_path,
+        outbox_db,
+        kafka_service,
+        names,
+        listed,
+        (("outbox_events", "a"),),
+        "(a column list)",
+    )
 
 
 def test_a_dropped_table_stops_the_relay_and_its_events_arrive_after_it_is_made_again(
