@@ -1063,7 +1063,8 @@ def _count(value: int | None) -> str:
     "header_columns",
     multiple=True,
     metavar="COLUMN",
-    help="Send this column of the outbox table as a header of the same name; repeatable.",
+    help="Send this column of the outbox table as a header of the same name; repeatable "
+    "(not id, event_type or aggregate_type, which every message carries).",
 )
 @_option(
     "--message-prefix",

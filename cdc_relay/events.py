@@ -143,6 +143,10 @@ class SchemaError(RelayError):
 
 
 FIELDS = ("id", "aggregate_type", "aggregate_id", "event_type", "payload")
+HEADERS = ("id", "event_type", "aggregate_type")
+"""The headers every message carries first (routing.Router.route writes them inline): a
+``--header-column`` of one of these names would send it twice, and a consumer reading the
+last one (Java's ``Headers.lastHeader``) would take the column for the event's id or type."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,23 @@ class OutboxLayout:
                     f"--column {mapping!r}: write FIELD=COLUMN with FIELD one of "
                     f"{', '.join(FIELDS)}, e.g. --column aggregate_type=aggregatetype"
                 )
+            if field.strip() in names:
+                raise UsageError(
+                    f"--column {field.strip()} is given twice ({field.strip()}="
+                    f"{names[field.strip()]} and {mapping.strip()}); map each field once"
+                )
             names[field.strip()] = column.strip()
-        return cls(**names, header_columns=tuple(header_columns))
+        headers = tuple(header_columns)
+        for column in headers:
+            if column in HEADERS:
+                raise UsageError(
+                    f"--header-column {column}: every message carries a header {column} "
+                    "already (the event's), and a second one would be taken for it; rename the "
+                    "column or leave it out"
+                )
+            if headers.count(column) > 1:
+                raise UsageError(f"--header-column {column} is given twice; name it once")
+        return cls(**names, header_columns=headers)
 
     def column(self, field: str) -> str:
         return str(getattr(self, field))

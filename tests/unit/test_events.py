@@ -46,6 +46,23 @@ def test_layout_options_are_checked() -> None:
         OutboxLayout.from_options(["kind=type"], [])
     with pytest.raises(UsageError):
         OutboxLayout.from_options(["event_type"], [])
+    with pytest.raises(UsageError, match="--column event_type is given twice"):
+        OutboxLayout.from_options(["event_type=type", "event_type=kind"], [])
+
+
+@pytest.mark.parametrize("column", ["id", "event_type", "aggregate_type"])
+def test_a_header_column_named_like_a_header_every_message_has_is_refused(column: str) -> None:
+    # A consumer reading the last header of the name (Java's lastHeader) would take the
+    # column's value for the event's id, its dedup key, or for its type.
+    with pytest.raises(UsageError, match=f"--header-column {column}: every message carries"):
+        OutboxLayout.from_options([], ["tenant", column])
+
+
+def test_a_header_column_given_twice_is_refused() -> None:
+    with pytest.raises(UsageError, match="--header-column tenant is given twice"):
+        OutboxLayout.from_options([], ["tenant", "tenant"])
+    # Another case is another header name: Kafka's header keys are case-sensitive.
+    assert OutboxLayout.from_options([], ["ID", "tenant"]).header_columns == ("ID", "tenant")
 
 
 def test_missing_required_column_is_a_schema_error_naming_it() -> None:
