@@ -106,7 +106,13 @@ def coverage_problem(
     if problem:
         return problem
     if conn.info.server_version < MIN_SHARDS_VERSION_NUM:  # no row filters nor column lists
-        return None if shard is None else f"shard {shard} needs PostgreSQL 15 (row filters)"
+        return (
+            None
+            if shard is None
+            else f"shard {shard}: a shard's publication keeps its rows by a row filter, which "
+            "PostgreSQL 14 does not have; stream this outbox with one relay, or move it to "
+            "PostgreSQL 15 or newer"
+        )
     part = _one(conn, "published_part", publication=publication, oid=table.oid)
     found = part.get("filter")
     problem = _part_problem(publication, table, found, part.get("left_out") or [], shard)
