@@ -144,7 +144,7 @@ class SchemaError(RelayError):
 
 FIELDS = ("id", "aggregate_type", "aggregate_id", "event_type", "payload")
 HEADERS = ("id", "event_type", "aggregate_type")
-"""The headers every message carries first (routing.Router.route writes them inline): a
+"""The headers every message carries first, in this order (routing.Router.route): a
 ``--header-column`` of one of these names would send it twice, and a consumer reading the
 last one (Java's ``Headers.lastHeader``) would take the column for the event's id or type."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from cdc_relay.cloudevents import CloudEvents
 from cdc_relay.errors import UsageError
-from cdc_relay.events import OutboxEvent, SchemaError
+from cdc_relay.events import HEADERS, OutboxEvent, SchemaError
 from cdc_relay.lsn import Lsn
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
@@ -22,6 +22,7 @@ TEMPLATE_FIELDS = frozenset({"aggregate_type", "event_type", "schema", "table"})
 TABLE_FIELDS = frozenset({"schema", "table"})
 _ILLEGAL_TOPIC_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_TOPIC = 249
+_ID, _EVENT_TYPE, _AGGREGATE_TYPE = HEADERS  # every message's first headers, in this order
 
 
 @dataclass(slots=True)
@@ -151,9 +152,9 @@ class Router:
         # First: it refuses an event without the attributes CloudEvents requires.
         cloudevents = None if self._cloudevents is None else self._cloudevents.headers(event)
         headers = [
-            ("id", event.id.encode()),
-            ("event_type", event.event_type.encode()),
-            ("aggregate_type", event.aggregate_type.encode()),
+            (_ID, event.id.encode()),
+            (_EVENT_TYPE, event.event_type.encode()),
+            (_AGGREGATE_TYPE, event.aggregate_type.encode()),
         ]
         if event.headers:
             headers.extend(event.headers)

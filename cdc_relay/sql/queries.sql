@@ -76,8 +76,8 @@ WHERE p.pubname = %(publication)s
 -- published_part --
 -- What of the table the publication publishes, when not all of it (PostgreSQL 15 and later):
 -- its row filter (WHERE) as PostgreSQL prints it, NULL when it has none; the columns its
--- column list leaves out, empty when it has none (attrs is NULL on 15 without a list, every
--- column on 16 and later)
+-- column list leaves out, empty when it has none (attrs: NULL on 15 without a list, and on
+-- 16 and later the columns published)
 SELECT pg_get_expr(g.qual, g.relid) AS filter,
        array(SELECT a.attname::text
              FROM pg_attribute a
