@@ -13,21 +13,29 @@ The poller's: rows it gave up on after --max-attempts, parked in the outbox (ret
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from confluent_kafka import KafkaError
 from psycopg.rows import dict_row
 
 from cdc_relay import store
-from cdc_relay.errors import PreflightError
+from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.lsn import format_lsn
+from cdc_relay.metrics import EVENTS_FAILED
 from cdc_relay.queries import QUERIES
+from cdc_relay.refusals import header, is_culprit, log_refusal
 from cdc_relay.replication import ConnectionLost
 from cdc_relay.routing import Message
 from cdc_relay.slot import connect
 from cdc_relay.store import refused, resolve
+
+if TYPE_CHECKING:  # the stages name this module's store
+    from cdc_relay.stages import DeadLetterStore, RefusalPolicy
+
+log = logging.getLogger(__name__)
 
 TABLE = "cdc_relay_dead_letters"
 
@@ -118,3 +126,55 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
         outbox = resolve(conn, table)
         with refused(outbox, "the retry of dead letters"):
             return store.retry_dead_letters(conn, outbox, ids)
+
+
+class DeadLetterRefusals:
+    """The stream's refusal policy with ``--dead-letter-topic``: the culprit goes to the
+    dead letters (the table, then the topic) and the stream goes on; everything else is the
+    wrapped policy's (stream.Rewinds). ``deliver_alone`` is the pipeline's: each dead letter
+    goes alone, under the culprit's token, so its acknowledgement moves the checkpointer
+    past the event it stands for."""
+
+    def __init__(
+        self,
+        policy: RefusalPolicy,
+        store: DeadLetterStore,
+        deliver_alone: Callable[[Message, Any], KafkaError | None],
+    ) -> None:
+        self.policy = policy
+        self.store = store
+        self._deliver_alone = deliver_alone
+
+    def refused(self, token: Any, err: KafkaError) -> None:
+        self.policy.refused(token, err)
+
+    def served(self) -> None:
+        self.policy.served()
+
+    def retry(self, token: Any, err: KafkaError) -> None:
+        self.policy.retry(token, err)
+
+    def cleared(self, token: Any) -> None:
+        self.policy.cleared(token)
+
+    def unroutable(self, token: Any, exc: RelayError) -> None:
+        self.policy.unroutable(token, exc)
+
+    def culprit(self, message: Message, token: Any, err: KafkaError) -> None:
+        """Keep the event in the table, then send its dead letter: with the payload, or
+        without when the payload is what the dead-letter topic refuses too."""
+        self.policy.cleared(token)
+        store = self.store
+        store.store(message, err)
+        letter_err = self._deliver_alone(store.letter(message, err, with_value=True), token)
+        if letter_err is not None and is_culprit(letter_err) and message.value:
+            # The payload is what the dead-letter topic refuses too: the table has it.
+            letter_err = self._deliver_alone(store.letter(message, err, with_value=False), token)
+        if letter_err is not None:
+            raise DeliveryError(
+                f"the dead-letter topic {store.topic} refused event {token[1]} too: "
+                f"{letter_err.str()}; the event is in table {TABLE}, and nothing from it on "
+                "was confirmed: fix the dead-letter topic and restart"
+            )
+        log_refusal(log.warning, "event sent to the dead-letter topic", message, err)
+        EVENTS_FAILED.labels(relay="stream", event_type=header(message, "event_type")).inc()

@@ -23,10 +23,10 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowFactory, RowMaker, class_row
 
+from cdc_relay.batch import Batch, open_batch
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.poller import PollSettings
-from cdc_relay.publisher import Publisher
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
 from cdc_relay.store import Outbox, OutboxRow, check_columns, counts, first_line, resolve
@@ -181,7 +181,7 @@ def publish_then_slot(
         spec = dataclasses.replace(spec, table=backlog.outbox.qualified)
         report = setup(settings.dsn, spec, create_slot=False)
         lines = [f"exists: {line}" for line in report.existing] + report.done
-        publisher = Publisher(settings)
+        publisher = open_batch(settings)
         try:
             publisher.sink.check_reachable(settings.kafka_timeout)
             lsn = _switch(settings, spec, backlog, publisher, guard, progress, interrupts)
@@ -303,7 +303,7 @@ def _switch(
     settings: PollSettings,
     spec: SlotSpec,
     backlog: Backlog,
-    publisher: Publisher,
+    publisher: Batch,
     guard: psycopg.Connection[dict[str, Any]],
     progress: _Progress,
     interrupts: _Interrupts,
@@ -342,7 +342,7 @@ def _slot_exists(dsn: str, slot: str) -> bool:
 def _publish_all(
     settings: PollSettings,
     backlog: Backlog,
-    publisher: Publisher,
+    publisher: Batch,
     rows: psycopg.ServerCursor[OutboxRow],
     marker: psycopg.Connection[dict[str, Any]],
     progress: _Progress,
@@ -352,8 +352,8 @@ def _publish_all(
     mark = backlog.outbox.query("mark_processed")
 
     def publish(batch: Sequence[OutboxRow]) -> None:
-        publisher.publish(batch, lambda: False)
-        acked = [batch[i].id for i in sorted(publisher.acked)]
+        publisher.publish(batch)
+        acked = [batch[i].id for i in sorted(publisher.delivered)]
         if acked and backlog.mark:
             marker.execute(mark, {"ids": acked})
         progress.published += len(acked)
@@ -361,12 +361,12 @@ def _publish_all(
     while batch := rows.fetchmany(settings.batch_size):
         backlog.outbox.check_payload(batch)
         publish(batch)
-        if publisher.refused:
+        if publisher.failures:
             raise _refused(publisher, batch, publish, backlog, progress)
 
 
 def _refused(
-    publisher: Publisher,
+    publisher: Batch,
     batch: Sequence[OutboxRow],
     publish: Callable[[Sequence[OutboxRow]], None],
     backlog: Backlog,
@@ -376,7 +376,7 @@ def _refused(
     among others are only suspects (refusals.py): they go again, each alone, so that the
     error names that row, not a neighbour of it. The job stops all the same: rows held behind
     a refused one of their aggregate were not published."""
-    refused = dict(publisher.refused)
+    refused = dict(publisher.failures)
     suspects = batch
     if not publisher.own:
         suspects = [
@@ -384,9 +384,9 @@ def _refused(
             for i in sorted(refused)
         ]
         publish(suspects)
-    own = [i for i in publisher.refused if i in publisher.own]
+    own = [i for i in publisher.failures if i in publisher.own]
     if own:
-        named, error = suspects[own[0]], publisher.refused[own[0]]
+        named, error = suspects[own[0]], publisher.failures[own[0]]
     else:  # none refused alone: the broker's answer was about no one row
         first = next(iter(refused))
         named, error = batch[first], f"refused with other events: {refused[first]}"

@@ -14,11 +14,16 @@ Every command resolves ``--table`` once (store.resolve) and names the table by i
 name from then on. Every poller connection holds the table's advisory lock, shared, before
 it claims; the handover to ``stream`` holds it exclusively, so the two never run together.
 
+Each worker is the pipeline (pipeline.py) configured for claims: the worker is the feed
+(claim, publish each row, mark, commit; what a database error does), its claimed batch the
+checkpointer and the refusal policy (batch.py: a refused row is marked for a later try and
+its aggregate held back, where ``stream`` rewinds).
+
 The stages are injected (cdc_relay.stages), the real ones by default: the outbox store
-(store.py: every query on the table, a worker's claims and marks) and the sink (sink.py,
-through publisher.py, which publishes a batch). ``poll`` runs the workers on them alone, for
-the loop's unit tests (tests/unit/test_poll_loop.py). Beside it: deadletter.py lists and
-retries the rows given up on, handover.py hands over to ``stream``, prune.py prunes.
+(store.py: every query on the table, a worker's claims and marks) and the sink (sink.py).
+``poll`` runs the workers on them alone, for the loop's unit tests
+(tests/unit/test_poll_loop.py). Beside it: deadletter.py lists and retries the rows given up
+on, handover.py hands over to ``stream``, prune.py prunes.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
+from cdc_relay.batch import open_batch
 from cdc_relay.config import RelaySettings
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -43,8 +49,9 @@ from cdc_relay.metrics import (
     EVENTS_PUBLISHED,
     Health,
 )
-from cdc_relay.publisher import WAIT_SLICE, Publisher
+from cdc_relay.pipeline import WAIT
 from cdc_relay.queries import QUERIES
+from cdc_relay.replication import ConnectionLost
 from cdc_relay.slot import connect
 from cdc_relay.stages import Claims, OpenSink, OpenStore, OutboxStore
 from cdc_relay.store import (
@@ -116,6 +123,15 @@ class Wake:
             self._cond.wait_for(lambda: self._count != seen, timeout)
 
 
+class _DatabaseLost(ConnectionLost):
+    """A worker's query failed for a reason a new connection or a later try may not meet
+    (store.kind); ``read_only``: the server does not take writes."""
+
+    def __init__(self, exc: psycopg.DatabaseError, read_only: bool) -> None:
+        super().__init__(first_line(exc))
+        self.read_only = read_only
+
+
 @dataclass
 class Counts:
     """One worker's tally, read by the progress line."""
@@ -125,15 +141,24 @@ class Counts:
 
 
 class Worker:
-    """Claims, publishes and marks batches of one shard of the aggregates until stopped."""
+    """Claims, publishes and marks batches of one shard of the aggregates until stopped: the
+    feed of its own pipeline (pipeline.Feed), whose checkpointer and refusal policy are its
+    batch."""
 
     def __init__(
-        self, relay: PollRelay, shard: int, publisher: Publisher, claims: Claims, outbox: Outbox
+        self,
+        relay: PollRelay,
+        shard: int,
+        claims: Claims,
+        outbox: Outbox,
+        open_sink: OpenSink | None,
     ) -> None:
         self.relay = relay
         self.settings = relay.settings
         self.shard = shard
-        self.publisher = publisher
+        self.batch = open_batch(
+            relay.settings, open_sink, tick=relay.health.beat, give_up=self._give_up
+        )
         self.claims = claims
         self.outbox = outbox
         self.counts = Counts()
@@ -142,66 +167,74 @@ class Worker:
         # locks (a prepared transaction may hold it for ever): the next claim walks past them.
         self._skip: list[int] = []
         self._stopping_since: float | None = None
+        self._failures = 0  # failed cycles in a row
         self.thread = threading.Thread(target=self._run, name=f"poll-worker-{shard}")
 
     def _run(self) -> None:
         try:
-            self._loop()
+            self.batch.pipeline.run(self)
         except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which raises it
             self.relay.fail(exc)
-        finally:
-            self.claims.close()
-            self.released += self.publisher.outstanding
-            self.publisher.sink.close()
 
-    def _loop(self) -> None:
+    # -- the feed (pipeline.Feed) ---------------------------------------------------------
+
+    @property
+    def stopped(self) -> bool:
+        return self.relay.stopping.is_set()
+
+    def pump(self) -> None:
+        """One cycle, then a wait for new rows when the outbox had no more; a database error
+        is a lost connection, or one line for the user (store.kind)."""
         relay = self.relay
-        failures = 0  # failed cycles in a row
-        while not relay.stopping.is_set():
-            seen = relay.wake.seen()
-            try:
-                claimed = self._cycle()
-            except psycopg.DatabaseError as exc:  # what each kind means: see store.kind
-                meaning = kind(exc)
-                if meaning == REFUSED:
-                    raise refusal(exc, self.outbox, "the poller's query") from None
-                failures += 1
-                delay = backoff(failures, _RECONNECT_BASE, _RECONNECT_MAX)
-                if meaning == READ_ONLY:
-                    log.warning(
-                        "the database is read-only (%s); waiting for a writable primary, next "
-                        "try in %.1fs. After a failover this ends once --dsn reaches the new "
-                        "primary; a database made read-only (default_transaction_read_only) "
-                        "must be made writable again",
-                        first_line(exc),
-                        delay,
-                        extra={"action": "read_only"},
-                    )
-                else:
-                    log.warning(
-                        "lost the database connection, reconnecting in %.1fs: %s",
-                        delay,
-                        first_line(exc),
-                        extra={"action": "disconnected"},
-                    )
-                self._drop_connection()
-                relay.health.beat()  # waiting on purpose: a restart would not help
-                relay.stopping.wait(delay)
-                continue
-            failures = 0
-            relay.health.beat()
-            if claimed < self.settings.batch_size and not self._skip:
-                relay.wake.wait(seen, self.settings.poll_interval)
+        seen = relay.wake.seen()
+        try:
+            claimed = self._cycle()
+        except psycopg.DatabaseError as exc:  # what each kind means: see store.kind
+            meaning = kind(exc)
+            if meaning == REFUSED:
+                raise refusal(exc, self.outbox, "the poller's query") from None
+            raise _DatabaseLost(exc, read_only=meaning == READ_ONLY) from exc
+        self._failures = 0
+        relay.health.beat()
+        if claimed < self.settings.batch_size and not self._skip:
+            relay.wake.wait(seen, self.settings.poll_interval)
 
-    def _drop_connection(self) -> None:
-        """After a lost connection: PostgreSQL released the claim, so whatever the producer still
-        holds may be claimed again; wait (bounded) for it to settle first."""
+    def recover(self, exc: ConnectionLost) -> None:
+        """After a lost connection: PostgreSQL released the claim, so whatever the producer
+        still holds may be claimed again; wait (bounded) for it to settle, then back off."""
+        self._failures += 1
+        delay = backoff(self._failures, _RECONNECT_BASE, _RECONNECT_MAX)
+        if isinstance(exc, _DatabaseLost) and exc.read_only:
+            log.warning(
+                "the database is read-only (%s); waiting for a writable primary, next "
+                "try in %.1fs. After a failover this ends once --dsn reaches the new "
+                "primary; a database made read-only (default_transaction_read_only) "
+                "must be made writable again",
+                exc,
+                delay,
+                extra={"action": "read_only"},
+            )
+        else:
+            log.warning(
+                "lost the database connection, reconnecting in %.1fs: %s",
+                delay,
+                exc,
+                extra={"action": "disconnected"},
+            )
         self.claims.close()
-        self.publisher.wait(self._give_up)
+        self.batch.pipeline.settle()  # raises Stopping once a stop's grace is over
+        self.relay.health.beat()  # waiting on purpose: a restart would not help
+        self.relay.stopping.wait(delay)
+
+    def rewind(self) -> None:
+        """Never asked for: the batch's policy marks a refused row for a later try instead."""
+
+    def shutdown(self) -> None:
+        self.claims.close()
+        self.released += self.batch.sink.close()
 
     def _give_up(self) -> bool:
         """Whether to stop waiting for Kafka: a stop was requested and its grace has run out."""
-        self.relay.health.beat()
         if not self.relay.stopping.is_set():
             return False
         if self._stopping_since is None:
@@ -225,16 +258,14 @@ class Worker:
             if not rows:
                 return 0
             self.outbox.check_payload(rows)
-            complete = self.publisher.publish(rows, self._give_up)
+            complete = self.batch.publish(rows)
             self._mark(rows)
         BATCH_DURATION.observe(time.monotonic() - started)
         if not complete:
             # Stopping with reports outstanding: those rows stay unprocessed and unlocked, and
             # the producer's copies are purged when the worker closes its sink.
-            publisher = self.publisher
-            unreported = (
-                len(rows) - len(publisher.acked) - len(publisher.refused) - len(publisher.held)
-            )
+            batch = self.batch
+            unreported = len(rows) - len(batch.delivered) - len(batch.failures) - len(batch.held)
             log.warning(
                 "stopping before Kafka answered for %d rows; they stay unprocessed",
                 unreported,
@@ -256,30 +287,30 @@ class Worker:
         return rows
 
     def _mark(self, rows: Sequence[OutboxRow]) -> None:
-        publisher = self.publisher
+        batch = self.batch
         settings = self.settings
-        if publisher.acked:
-            ids = [rows[i].id for i in publisher.acked]
+        if batch.delivered:
+            ids = [rows[i].id for i in batch.delivered]
             self.claims.mark_processed(ids)
             self.counts.published += len(ids)
             EVENTS_PUBLISHED.labels(relay="poll").inc(len(ids))
-        if not publisher.refused:
+        if not batch.failures:
             return
-        failed = [rows[i] for i in publisher.refused]
+        failed = [rows[i] for i in batch.failures]
         delays = [
             backoff(row.attempts + 1, settings.backoff_base, settings.backoff_max) for row in failed
         ]
-        own = [index in publisher.own for index in publisher.refused]
+        own = [index in batch.own for index in batch.failures]
         outcome = self.claims.mark_failed(
             [row.id for row in failed],
-            list(publisher.refused.values()),
+            list(batch.failures.values()),
             delays,
             own,
             settings.max_attempts,
         )
         self.counts.failed += len(failed)
         for row, delay, error, its_own in zip(
-            failed, delays, publisher.refused.values(), own, strict=True
+            failed, delays, batch.failures.values(), own, strict=True
         ):
             result = outcome.get(row.id, {"attempts": row.attempts + 1, "dead": False})
             fields = {
@@ -306,7 +337,7 @@ class Worker:
                     delay,
                     extra={"action": "retry_later", **fields},
                 )
-            else:  # refused with others: not known to be its own failure (publisher.py)
+            else:  # refused with others: not known to be its own failure (batch.py)
                 log.warning(
                     "publishing event %s failed with other rows (attempt %d), next try in "
                     "%.1fs, alone",
@@ -375,16 +406,17 @@ class PollRelay:
         settings = self.settings
         outbox = self.outbox = store.outbox
         self._store = store
-        publishers = [Publisher(settings, self._open_sink) for _ in range(settings.workers)]
-        try:
-            publishers[0].sink.check_reachable(settings.kafka_timeout)
-        except BaseException:
-            for publisher in publishers:
-                publisher.sink.close()
-            raise
-        self._workers = [
-            Worker(self, n, p, store.claims(), outbox) for n, p in enumerate(publishers)
+        workers = [
+            Worker(self, n, store.claims(), outbox, self._open_sink)
+            for n in range(settings.workers)
         ]
+        try:
+            workers[0].batch.sink.check_reachable(settings.kafka_timeout)
+        except BaseException:
+            for worker in workers:
+                worker.batch.sink.close()
+            raise
+        self._workers = workers
         self._register_metrics()
         if listen:
             listener = threading.Thread(
@@ -449,7 +481,7 @@ class PollRelay:
                     self.wake.notify()  # whatever was written while nobody listened
                     failures = 0
                     while not self.stopping.is_set():
-                        for _ in conn.notifies(timeout=WAIT_SLICE * 5):
+                        for _ in conn.notifies(timeout=WAIT * 20):
                             self.wake.notify()
             except psycopg.DatabaseError as exc:
                 # A standby refuses LISTEN (read-only): wait for the primary, as the workers do.
@@ -464,14 +496,14 @@ class PollRelay:
     def _register_metrics(self) -> None:
         CONNECTED.labels(service="postgres").set_function(lambda: self._listening)
         CONNECTED.labels(service="kafka").set_function(
-            lambda: any(w.publisher.sink.connected for w in self._workers)
+            lambda: any(w.batch.sink.connected for w in self._workers)
         )
         self.health.readiness = self._readiness
 
     def _readiness(self) -> tuple[bool, str]:
         if not self._listening:
             return False, "not connected to PostgreSQL"
-        if not any(w.publisher.sink.connected for w in self._workers):
+        if not any(w.batch.sink.connected for w in self._workers):
             return False, "not connected to Kafka"
         return True, "ok"
 

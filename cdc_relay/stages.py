@@ -23,12 +23,70 @@ from typing import Any, Protocol
 import psycopg
 from confluent_kafka import KafkaError
 
+from cdc_relay.errors import RelayError
 from cdc_relay.exactly_once import Checkpoint
 from cdc_relay.lsn import Lsn
-from cdc_relay.replication import Keepalive, XLogData
+from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message
 from cdc_relay.sink import Acked, Refused
 from cdc_relay.store import Outbox, OutboxRow
+
+
+class Feed(Protocol):
+    """A relay's source as the loop runs it (pipeline.Pipeline.run): it reads from where the
+    events are and hands each one to the pipeline (``Pipeline.publish``). stream.StreamRelay
+    reads a replication slot; poller.Worker claims rows."""
+
+    @property
+    def stopped(self) -> bool:
+        """A stop was asked for (or the feed reached its end): the loop ends."""
+
+    def pump(self) -> None:
+        """Read and publish until stopped; raise ConnectionLost when the source's connection
+        is gone, pipeline.Rewind when the refusal policy calls for a replay."""
+
+    def recover(self, exc: ConnectionLost) -> None:
+        """After a lost connection: settle what is in flight, reconnect (with a back-off)."""
+
+    def rewind(self) -> None:
+        """Start again from the checkpoint: what was read and not confirmed comes again."""
+
+    def shutdown(self) -> None:
+        """The graceful stop: wait (bounded) for Kafka's reports, checkpoint, close."""
+
+
+class Checkpointer(Protocol):
+    """What a delivery report moves: the LSN tracker's position (stream), or a claimed
+    batch's marks (poll). ``acked`` is called while the sink serves its reports."""
+
+    def acked(self, token: Any) -> None:
+        """Kafka acknowledged the message of ``token``."""
+
+
+class RefusalPolicy(Protocol):
+    """What the loop does with what Kafka refuses; cdc_relay.refusals says which refusal is
+    whose. The stream rewinds to its confirmed position; a poll worker marks the row for a
+    later try and holds its aggregate back."""
+
+    def refused(self, token: Any, err: KafkaError) -> None:
+        """Kafka refused ``token``'s message among others: a suspect (called while the sink
+        serves its reports; ``served`` acts on it)."""
+
+    def served(self) -> None:
+        """Reports were served: act on the refusals among them (the stream raises Rewind)."""
+
+    def culprit(self, message: Message, token: Any, err: KafkaError) -> None:
+        """The message's own refusal, for certain: the client refused it, or Kafka refused it
+        sent alone."""
+
+    def retry(self, token: Any, err: KafkaError) -> None:
+        """Sent alone, it was refused for a reason not about it: a later try."""
+
+    def cleared(self, token: Any) -> None:
+        """Sent alone, it was acknowledged: no longer a suspect."""
+
+    def unroutable(self, token: Any, exc: RelayError) -> None:
+        """The router cannot make a message of it (no legal topic, no payload)."""
 
 
 class Source(Protocol):

@@ -1,4 +1,11 @@
-"""The CDC relay: the one place that wires replication -> decode -> route -> sink -> tracker.
+"""The CDC relay: the pipeline (pipeline.py) configured for a replication slot.
+
+The slot's stream is the feed: read, decoded (pgoutput or wal2json), each outbox row and
+message published through the pipeline; the LSN tracker is the checkpointer, fed by the
+delivery reports; the refusal policy rewinds (``Rewinds``: replay from the confirmed
+position, each suspect alone). A shard is the same feed on its own slot and publication
+(shards.py); exactly once is the transactional sink with the Kafka checkpoint
+(exactly_once.py); ``--dead-letter-topic`` wraps the policy (deadletter.DeadLetterRefusals).
 
 Single-threaded on purpose: delivery reports are served by ``poll`` on this thread, so the
 tracker needs no locks, and the order of events is the order of the stream.
@@ -21,7 +28,7 @@ from confluent_kafka import KafkaError
 from cdc_relay import failover, pgoutput, stages, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.config import RelaySettings
-from cdc_relay.deadletter import DeadLetters
+from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
 from cdc_relay.errors import (
     DecodeError,
     DeliveryError,
@@ -35,6 +42,7 @@ from cdc_relay.events import (
     Commit,
     Insert,
     LogicalMessage,
+    OutboxEvent,
     OutboxLayout,
     Record,
     Relation,
@@ -55,7 +63,6 @@ from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
     CONNECTED,
-    EVENTS_FAILED,
     EVENTS_PENDING,
     EVENTS_PUBLISHED,
     IN_FLIGHT,
@@ -65,12 +72,13 @@ from cdc_relay.metrics import (
     Health,
     observe_slot,
 )
+from cdc_relay.pipeline import Pipeline, Rewind, Stopping
 from cdc_relay.queries import QUERIES
-from cdc_relay.refusals import Fate, fate, header, is_culprit, log_refusal, refusal_error
+from cdc_relay.refusals import Fate, fate, refusal_error
 from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.routing import Message, Router
 from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
-from cdc_relay.sink import KafkaSink
+from cdc_relay.sink import Acked, KafkaSink, Refused
 from cdc_relay.slot import (
     PLUGINS,
     OutboxTable,
@@ -89,6 +97,7 @@ from cdc_relay.stages import (
     OpenSource,
     OpenTransactions,
     ReadTimeline,
+    RefusalPolicy,
     Sink,
     Source,
 )
@@ -134,18 +143,66 @@ def _pgoutput(data: bytes) -> Sequence[Record]:
     return (pgoutput.decode(data),)
 
 
-class _Stopping(Exception):
-    """A stop was requested while waiting on a full producer queue."""
-
-
-class _Rewind(Exception):
-    """Kafka refused events: replay from the confirmed position (cdc_relay.refusals)."""
-
-
-_PENDING = object()  # no report yet for the message sent alone
-
 # A token of the sink: the event's transaction, and its id for the refusals.
 Token = tuple[Transaction, str]
+
+
+class Rewinds:
+    """The stream's refusal policy (pipeline.RefusalPolicy; cdc_relay.refusals).
+
+    A refusal among others makes its event a suspect and rewinds the stream: the relay
+    replays from the confirmed position (nothing after a refused batch got through: the
+    gapless guarantee) and sends each suspect alone. The culprit stops the relay, with one
+    line; ``--dead-letter-topic`` wraps this policy (deadletter.DeadLetterRefusals) and
+    dead-letters it instead.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Token, KafkaError]] = []  # reported since the last rewind
+        self.suspects: set[str] = set()  # ids of the events to send alone
+        self.rewinds = 0  # rewinds in a row that were retries, for the pause before the next
+        self.pause_next = False  # a suspect sent alone met an error not about it: pause first
+
+    def refused(self, token: Token, err: KafkaError) -> None:
+        if not token[0].forgotten:
+            self.pending.append((token, err))
+
+    def served(self) -> None:
+        if self.pending:
+            raise Rewind
+
+    def culprit(self, message: Message, token: Token, err: KafkaError) -> None:
+        self.cleared(token)
+        raise refusal_error(message, err, "stream")
+
+    def retry(self, token: Token, err: KafkaError) -> None:
+        self.pending.append((token, err))
+        self.pause_next = True
+        raise Rewind
+
+    def cleared(self, token: Token) -> None:
+        self.suspects.discard(token[1])
+        self.rewinds = 0
+
+    def unroutable(self, token: Token, exc: RelayError) -> None:
+        raise exc  # a row or message of the outbox the relay cannot route: the user's to fix
+
+    def note(self) -> bool:
+        """Turn the refusals reported so far into suspects; True if one calls for a pause."""
+        refusals, self.pending = self.pending, []
+        retry = False
+        for (_, event_id), err in refusals:
+            kind = fate(err)
+            if kind is Fate.STOP:
+                raise DeliveryError(
+                    f"Kafka refused the relay: {err.str()}; fix the cause and restart the relay: "
+                    "it resumes after the last event Kafka acknowledged"
+                )
+            if kind is Fate.ISOLATE:
+                self.suspects.add(event_id)
+            else:
+                retry = True
+        return retry
 
 
 def _find_tables(
@@ -201,7 +258,7 @@ class StreamRelay:
         self.settings = settings
         self.health = health or Health()
         self.tracker = LsnTracker()
-        self.router = Router(
+        router = Router(
             settings.topic_template,
             settings.tombstone_on_empty,
             settings.cloudevents,
@@ -209,42 +266,62 @@ class StreamRelay:
         )
         self._open_source = open_source
         self._read_timeline = read_timeline
-        self.sink: Sink
-        # Exactly once: its sink, what it adds to the loop (exactly_once.Committer), and
-        # where the committed checkpoint is read from at start.
-        self._eos: Committer | None = None
-        self._checkpoints: CheckpointStore | None = None
-        eos = settings.exactly_once
-        if eos is not None:
-            transactions: stages.TransactionalSink  # the Protocol: Kafka's, or one injected
-            if open_transactions is None:  # Kafka's, whose transactions time out
-                check_interval(settings.kafka_config, eos.interval)
-                transactions = TransactionalSink(
-                    settings.kafka_config,
-                    on_ack=self._acked,
-                    on_refused=self._refused,
-                    transactional_id=eos.transactional_id,
-                    checkpoint_topic=eos.checkpoint_topic,
-                    start_timeout=settings.kafka_timeout,
-                )
-            else:
-                transactions = open_transactions(self._acked, self._refused)
-            self.sink = transactions
-            self._eos = Committer(eos, transactions)
-            self._checkpoints = checkpoints or KafkaCheckpoints(
-                settings.kafka_config, eos.checkpoint_topic, eos.transactional_id
-            )
-        elif open_sink is not None:
-            self.sink = open_sink(self._acked, self._refused)
-        else:
-            self.sink = KafkaSink(
-                settings.kafka_config, on_ack=self._acked, on_refused=self._refused
-            )
         self.dead_letters: DeadLetterStore | None = (
             open_dead_letters(settings.dsn, settings.slot, settings.dead_letter_topic)
             if settings.dead_letter_topic
             else None
         )
+        self.rewinds = Rewinds()
+        policy: RefusalPolicy = self.rewinds
+        if self.dead_letters is not None:
+            policy = DeadLetterRefusals(
+                self.rewinds, self.dead_letters, lambda m, t: self.pipeline.deliver_alone(m, t)
+            )
+        # Exactly once: its sink, what it adds to the loop (exactly_once.Committer), and
+        # where the committed checkpoint is read from at start.
+        self._eos: Committer | None = None
+        self._checkpoints: CheckpointStore | None = None
+        eos = settings.exactly_once
+        made: list[stages.TransactionalSink] = []  # the Protocol: Kafka's, or one injected
+
+        def open_kafka(acked: Acked, refused: Refused) -> Sink:
+            if eos is None:
+                if open_sink is not None:
+                    return open_sink(acked, refused)
+                return KafkaSink(settings.kafka_config, on_ack=acked, on_refused=refused)
+            if open_transactions is not None:
+                made.append(open_transactions(acked, refused))
+            else:  # Kafka's, whose transactions time out
+                check_interval(settings.kafka_config, eos.interval)
+                made.append(
+                    TransactionalSink(
+                        settings.kafka_config,
+                        on_ack=acked,
+                        on_refused=refused,
+                        transactional_id=eos.transactional_id,
+                        checkpoint_topic=eos.checkpoint_topic,
+                        start_timeout=settings.kafka_timeout,
+                    )
+                )
+            return made[0]
+
+        self.pipeline = Pipeline(
+            router,
+            open_kafka,
+            self,
+            policy,
+            tick=self._send_status,
+            give_up=lambda: self._stop,
+            before_alone=self._commit_before_alone,
+            after_alone=self._commit_alone,
+        )
+        self.sink: Sink = self.pipeline.sink
+        self._publish = self.pipeline.publish
+        if eos is not None:
+            self._eos = Committer(eos, made[0])
+            self._checkpoints = checkpoints or KafkaCheckpoints(
+                settings.kafka_config, eos.checkpoint_topic, eos.transactional_id
+            )
         self._plugin = "pgoutput"
         self._decode: Callable[[bytes], Sequence[Record]] = _pgoutput
         self.progress = Progress()
@@ -265,15 +342,6 @@ class StreamRelay:
         self._last_progress = time.monotonic()
         self._sent_flush: Lsn = -1
         self._standing_by = False
-        # Refusals reported since the last look, and the ids of events to send alone.
-        self._refusals: list[tuple[Token, KafkaError]] = []
-        self._suspects: set[str] = set()
-        self._offering = False  # inside sink.offer: a refusal now is the client's, of this one
-        self._refused_now: KafkaError | None = None
-        self._lone: Token | None = None  # the message sent alone, waiting for its report
-        self._lone_result: object = _PENDING
-        self._rewinds = 0  # rewinds in a row that were retries, for the pause before the next
-        self._pause_next = False  # a suspect sent alone met an error not about it: pause first
         self._acks = 0  # acknowledgements not yet added to the published counter
         self._events_seen = 0  # events sent at the last tick, for SINCE_LAST_EVENT
         # A new shard after a resharding cut: what comes before the cut is the old shards',
@@ -285,10 +353,13 @@ class StreamRelay:
         self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
         self._cut_at: Lsn | None = None  # an old shard's cut, reached: confirmed on stopping
 
-    def _acked(self, token: Token) -> None:
+    @property
+    def stopped(self) -> bool:
+        return self._stop
+
+    def acked(self, token: Token) -> None:
+        """The checkpointer's report (pipeline.Checkpointer): the LSN tracker's."""
         transaction = token[0]
-        if token is self._lone:
-            self._lone_result = None
         self.tracker.acked(transaction)
         # Counted here, added to the metric with the next status update: a Prometheus
         # counter's inc() takes a lock, per event.
@@ -296,15 +367,6 @@ class StreamRelay:
         if transaction.committed and not transaction.pending and not transaction.forgotten:
             # Commit to the ack of the transaction's last event, once per transaction.
             LATENCY.observe(max(0.0, time.time() - transaction.commit_time_us / 1e6))
-
-    def _refused(self, token: Token, err: KafkaError) -> None:
-        """The sink's report of a message Kafka did not take (cdc_relay.refusals)."""
-        if self._offering:
-            self._refused_now = err
-        elif token is self._lone:
-            self._lone_result = err
-        elif not token[0].forgotten:
-            self._refusals.append((token, err))
 
     def _register_metrics(self) -> None:
         """Gauges read on scrape, from the relay's own state."""
@@ -369,7 +431,7 @@ class StreamRelay:
             },
         )
         try:
-            self._loop()
+            self.pipeline.run(self)
         finally:
             watcher.stop()
             if self.dead_letters is not None:
@@ -384,32 +446,17 @@ class StreamRelay:
         if self._conn is None:
             return
         self._start_transactions()
-        self._loop()
+        self.pipeline.run(self)
 
-    # -- the loop -------------------------------------------------------------------------
+    # -- the feed (pipeline.Feed) ---------------------------------------------------------
 
-    def _loop(self) -> None:
-        """Pump the open stream until stopped: a lost connection reconnects, a refusal
-        rewinds; then the graceful stop (invariant 8)."""
-        try:
-            while not self._stop:
-                try:
-                    self._pump()
-                except ConnectionLost as exc:
-                    log.warning(str(exc), extra={"action": "disconnected"})
-                    self._recover()
-                except _Rewind:
-                    self._rewind()
-        except _Stopping:
-            pass
-        finally:
-            self._shutdown()
-
-    def _pump(self) -> None:
+    def pump(self) -> None:
+        """Read the open stream and publish its events until stopped."""
         conn = self._require_conn()
         tracker = self.tracker
         handle = self._handle
         decode = self._decode
+        serve = self.pipeline.serve
         # Delivery reports, status updates and the watcher's verdict are looked at every
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
         # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
@@ -439,17 +486,11 @@ class StreamRelay:
                     handle(record)
                 if time.monotonic() < next_tick:
                     continue
-            self._serve(0)
+            serve(0)
             self._send_status()
             if self._watcher is not None and self._watcher.problem is not None:
                 raise RelayError(self._watcher.problem)
             next_tick = time.monotonic() + _TICK
-
-    def _serve(self, timeout: float) -> None:
-        """Serve delivery reports; a refusal among them rewinds the stream."""
-        self.sink.poll(timeout)
-        if self._refusals:
-            raise _Rewind
 
     def _handle(self, record: Record) -> None:
         if isinstance(record, Insert):
@@ -464,8 +505,7 @@ class StreamRelay:
                 return
             if self._transaction is None or (self._quiet and self._skip()):
                 return
-            event = mapper.event(record, self._begin)
-            self._send(self.router.route(event), self._transaction, event.id)
+            self._send(mapper.event(record, self._begin), self._transaction)
         elif isinstance(record, Begin):
             self._begin = record
             self._transaction = self.tracker.begin(record.commit_time_us)
@@ -547,7 +587,7 @@ class StreamRelay:
                 return
             if self._quiet and self._skip():
                 return
-            self._send(self.router.route(event), self._transaction, event.id)
+            self._send(event, self._transaction)
         else:
             # Sent at once, even if its transaction rolls back: its own unit in the tracker.
             event = envelope_event(record, None)
@@ -560,7 +600,7 @@ class StreamRelay:
                     self._eos.unit_ends(record.lsn)
                 return
             transaction = self.tracker.begin(time.time_ns() // 1000)
-            self._send(self.router.route(event), transaction, event.id)
+            self._send(event, transaction)
             self.tracker.commit(transaction, record.lsn)
             if self._eos is not None:
                 self._eos.unit_ends(record.lsn)
@@ -582,12 +622,12 @@ class StreamRelay:
         """Exactly once: commit when the transaction is old or large enough (or ``force``)."""
         if self._eos is None or not self._eos.due(force):
             return
-        self._serve(0)  # a refusal reported by now rewinds instead
+        self.pipeline.serve(0)  # a refusal reported by now rewinds instead
         try:
             self._eos.commit()
         except TransactionAborted as exc:
-            if self._refusals:
-                raise _Rewind from None
+            if self.rewinds.pending:
+                raise Rewind from None
             raise ConnectionLost(f"Kafka aborted the transaction ({exc}); replaying") from None
 
     def _cut(self, record: LogicalMessage) -> None:
@@ -623,7 +663,7 @@ class StreamRelay:
             )
             self._cut_at = record.lsn
             self._stop = True
-            raise _Stopping
+            raise Stopping
 
     def _wait_for_old_shards(self, cut: Cut, lsn: Lsn) -> None:
         """Wait until every slot of ``cut`` is confirmed up to it (its relay stopped there,
@@ -649,117 +689,36 @@ class StreamRelay:
                         extra={"action": "cut_waiting_for_old", "slot": self.settings.slot},
                     )
                 for _ in range(10):
-                    self._wait_for_kafka()
+                    self.pipeline.wait_for_kafka()
 
-    def _send(self, message: Message, transaction: Transaction, event_id: str) -> None:
-        token = (transaction, event_id)
+    def _send(self, event: OutboxEvent, transaction: Transaction) -> None:
         self.tracker.sent(transaction)
-        if self._suspects and event_id in self._suspects:
-            self._send_suspect(message, token)
-        else:
-            err = self._offer(message, token)
-            if err is not None:  # the client refused it: it is the culprit, for certain
-                self._settle()
-                self._culprit(message, token, err)
+        suspects = self.rewinds.suspects
+        self._publish(event, (transaction, event.id), bool(suspects) and event.id in suspects)
         if self._eos is not None:
             # Counted once produced (a checkpoint taken while it waited must not count it).
             self._eos.produced()
         self.progress.events += 1
 
-    def _offer(self, message: Message, token: Token) -> KafkaError | None:
-        """Hand ``message`` to the sink, waiting while its queue is full (the walsender still
-        hears from us); the client's refusal of it, if any."""
-        while True:
-            self._offering = True
-            try:
-                accepted = self.sink.offer(message, token)
-            finally:
-                self._offering = False
-            if self._refused_now is not None:
-                err, self._refused_now = self._refused_now, None
-                return err
-            if accepted:
-                return None
-            self._wait_for_kafka()
-
-    def _settle(self) -> None:
-        """Wait until Kafka answered for every message sent; a refusal rewinds."""
-        while self.sink.in_flight():
-            self._wait_for_kafka()
-
-    def _wait_for_kafka(self) -> None:
-        """Wait a little for delivery reports, the walsender still hearing from us (invariant
-        6); a refusal rewinds, a stop ends the wait."""
-        self._serve(0.05)
-        self._send_status()
-        if self._stop:
-            raise _Stopping
-
-    def _deliver_alone(self, message: Message, token: Token) -> KafkaError | None:
-        """Send ``message`` with nothing else in flight and wait for its report: whatever
-        Kafka answers is about this message. None when it was acknowledged. (Exactly once:
-        alone in its Kafka transaction, committed at once.)"""
-        self._settle()
+    def _commit_before_alone(self) -> None:
+        """Exactly once: an event sent alone is alone in its Kafka transaction too."""
         if self._eos is not None:
             self._maybe_commit(force=True)
-        self._lone, self._lone_result = token, _PENDING
+
+    def _commit_alone(self) -> None:
+        """Exactly once: commit the event sent alone at once. The checkpoint committed with it
+        counts it (the event, or its dead letter standing for it): a replay after a crash must
+        skip it, not publish it again. _send counts it for good once it returns; aborted, it
+        is not counted."""
+        if self._eos is None:
+            return
+        self._eos.produced()
         try:
-            err = self._offer(message, token)
-            if err is not None:
-                return err
-            if self._eos is not None:
-                # The checkpoint committed with the message counts it (the event, or its dead
-                # letter standing for it): a replay after a crash must skip it, not publish it
-                # again. _send counts it for good once it returns; aborted, it is not counted.
-                self._eos.produced()
-                try:
-                    self._eos.commit()
-                except TransactionAborted:
-                    pass  # its report came with Kafka's answer
-                finally:
-                    self._eos.produced(-1)
-            while self._lone_result is _PENDING:
-                self._wait_for_kafka()  # nothing else is in flight: no refusal but its own
-            return self._lone_result if isinstance(self._lone_result, KafkaError) else None
+            self._eos.commit()
+        except TransactionAborted:
+            pass  # its report came with Kafka's answer
         finally:
-            self._lone = None
-
-    def _send_suspect(self, message: Message, token: Token) -> None:
-        """An event Kafka refused among others: alone, it is acknowledged or is the culprit."""
-        err = self._deliver_alone(message, token)
-        if err is None:
-            self._suspects.discard(token[1])
-            self._rewinds = 0
-        elif is_culprit(err):
-            self._culprit(message, token, err)
-        else:  # not about this message after all: try again after a pause
-            self._refusals.append((token, err))
-            self._pause_next = True
-            raise _Rewind
-
-    def _culprit(self, message: Message, token: Token, err: KafkaError) -> None:
-        """Kafka refuses this event for good: stop at it, or dead-letter it and go on."""
-        self._suspects.discard(token[1])
-        self._rewinds = 0
-        if self.dead_letters is None:
-            raise refusal_error(message, err, "stream")
-        self.dead_letters.store(message, err)
-        letter_err = self._deliver_alone(
-            self.dead_letters.letter(message, err, with_value=True), token
-        )
-        if letter_err is not None and is_culprit(letter_err) and message.value:
-            # The payload is what the dead-letter topic refuses too: the table has it.
-            letter_err = self._deliver_alone(
-                self.dead_letters.letter(message, err, with_value=False), token
-            )
-        if letter_err is not None:
-            raise DeliveryError(
-                f"the dead-letter topic {self.dead_letters.topic} refused event {token[1]} "
-                f"too: {letter_err.str()}; the event is in table cdc_relay_dead_letters, and "
-                "nothing from it on was confirmed: fix the dead-letter topic and restart"
-            )
-        log_refusal(log.warning, "event sent to the dead-letter topic", message, err)
-        EVENTS_FAILED.labels(relay="stream", event_type=header(message, "event_type")).inc()
+            self._eos.produced(-1)
 
     def _send_status(self, force: bool = False) -> None:
         self.health.beat()
@@ -1023,23 +982,25 @@ class StreamRelay:
                 self.sink.poll(0.1)  # keeps broker statistics, hence readiness, current
         return None
 
-    def _recover(self) -> None:
+    def recover(self, exc: ConnectionLost) -> None:
         """After a lost connection: settle what is in flight, forget the rest, reconnect."""
+        log.warning(str(exc), extra={"action": "disconnected"})
         self._close_conn()
         self._drain(self.settings.shutdown_timeout, confirm=False)
-        self._note_refusals()
+        self.rewinds.note()
         self._restart_decoding()
         if self._eos is not None:
             self.sink.renew()  # abort the open transaction: the replay produces it again
         self._reconnect()
 
-    def _rewind(self) -> None:
+    def rewind(self) -> None:
         """Kafka refused events: drop what the producer holds (the gapless guarantee let
         nothing after a refused batch through) and replay from the confirmed position,
         sending each suspect alone (cdc_relay.refusals)."""
-        refusals = self._refusals
-        retry = self._note_refusals() or self._pause_next
-        self._pause_next = False
+        rewinds = self.rewinds
+        refusals = rewinds.pending
+        retry = rewinds.note() or rewinds.pause_next
+        rewinds.pause_next = False
         token, err = refusals[0]
         log.warning(
             "Kafka refused %d event%s (the first, %s: %s); replaying from %s and sending each "
@@ -1055,26 +1016,9 @@ class StreamRelay:
         self._restart_decoding()
         self.sink.renew()  # the purged messages' reports come for forgotten transactions
         if retry:
-            self._rewinds += 1
-            self._pause(min(0.5 * 2**self._rewinds, _RECONNECT_MAX))
+            rewinds.rewinds += 1
+            self._pause(min(0.5 * 2**rewinds.rewinds, _RECONNECT_MAX))
         self._reconnect()
-
-    def _note_refusals(self) -> bool:
-        """Turn the refusals reported so far into suspects; True if one calls for a pause."""
-        refusals, self._refusals = self._refusals, []
-        retry = False
-        for (_, event_id), err in refusals:
-            kind = fate(err)
-            if kind is Fate.STOP:
-                raise DeliveryError(
-                    f"Kafka refused the relay: {err.str()}; fix the cause and restart the relay: "
-                    "it resumes after the last event Kafka acknowledged"
-                )
-            if kind is Fate.ISOLATE:
-                self._suspects.add(event_id)
-            else:
-                retry = True
-        return retry
 
     def _restart_decoding(self) -> None:
         """Forget open and unacknowledged transactions: the stream starts again from the
@@ -1129,15 +1073,15 @@ class StreamRelay:
             if confirm and self._conn is not None:
                 self._send_status()
 
-    def _shutdown(self) -> None:
+    def shutdown(self) -> None:
         try:
-            if self._refusals or self.sink.broken:
+            if self.rewinds.pending or self.sink.broken:
                 # Kafka refused events: what the producer holds is not delivered (a later
                 # event of a refused one's key must not overtake it) and is replayed later.
                 self.sink.renew()
             if self._conn is not None:
                 self._drain(self.settings.shutdown_timeout, confirm=True)
-                if self._eos is not None and not self._refusals and not self.sink.in_flight():
+                if self._eos is not None and not self.rewinds.pending and not self.sink.in_flight():
                     with contextlib.suppress(TransactionAborted):
                         self._eos.commit()  # what was produced goes in, confirmed below
                 if self._watcher is not None:

@@ -1,6 +1,6 @@
-"""The poller's publisher on the in-memory sink of test_stream_loop: no database, no broker.
+"""A poll worker's batch on the in-memory sink of test_stream_loop: no database, no broker.
 
-What it proves is the per-batch refusal policy (cdc_relay.publisher): order per aggregate,
+What it proves is the per-batch refusal policy (cdc_relay.batch): order per aggregate,
 and which failures are a row's own (the culprit, which may become a dead letter) and which
 only make it a suspect (refused among others, tried again alone). The integration suite
 proves the same against Kafka (tests/integration/test_refusals.py).
@@ -13,8 +13,8 @@ from typing import Any
 from confluent_kafka import KafkaError
 from test_stream_loop import Sink, event_id
 
+from cdc_relay.batch import Batch, open_batch
 from cdc_relay.poller import PollSettings
-from cdc_relay.publisher import Publisher
 from cdc_relay.routing import Message
 from cdc_relay.store import OutboxRow
 
@@ -48,18 +48,15 @@ class ClientRefuses(Sink):
         return super().offer(message, token)
 
 
-def publisher(sink_class: type[Sink] = Sink) -> tuple[Publisher, Sink]:
+def publisher(sink_class: type[Sink] = Sink) -> tuple[Batch, Sink]:
     sinks: list[Sink] = []
 
     def open_sink(on_ack: Any, on_refused: Any) -> Sink:
         sinks.append(sink_class(on_ack, on_refused))
         return sinks[0]
 
-    return Publisher(SETTINGS, open_sink), sinks[0]
-
-
-def never() -> bool:
-    return False
+    batch = open_batch(SETTINGS, open_sink)
+    return batch, sinks[0]
 
 
 def test_a_refused_batch_makes_suspects_only_and_holds_their_aggregates() -> None:
@@ -69,12 +66,12 @@ def test_a_refused_batch_makes_suspects_only_and_holds_their_aggregates() -> Non
     sink.hold_all = True  # one batch: Kafka answers for all of them at once
     sink.on_poll = lambda: setattr(sink, "hold_all", False)
 
-    assert pub.publish(rows, never)
+    assert pub.publish(rows)
 
     # Kafka refused the batch for one record: every row of it failed, none for certain.
-    assert set(pub.refused) == {0, 1, 2, 3}
+    assert set(pub.failures) == {0, 1, 2, 3}
     assert not pub.own
-    assert not pub.acked
+    assert not pub.delivered
 
 
 def test_rows_tried_again_go_alone_and_only_the_culprit_fails_as_its_own() -> None:
@@ -83,11 +80,11 @@ def test_rows_tried_again_go_alone_and_only_the_culprit_fails_as_its_own() -> No
     rows = [row(1, "a", 1), row(2, "b", 1), row(3, "a", 1), row(4, "c", 1)]
     sink.poison[rows[1].id] = KafkaError.MSG_SIZE_TOO_LARGE
 
-    assert pub.publish(rows, never)
+    assert pub.publish(rows)
 
     assert all(others == 0 for _, others in sink.offered)  # nothing else in flight
-    assert pub.refused.keys() == pub.own == {1}
-    assert pub.acked == {0, 2, 3}
+    assert pub.failures.keys() == pub.own == {1}
+    assert pub.delivered == {0, 2, 3}
     assert [event_id(m) for m in sink.acked] == [rows[0].id, rows[2].id, rows[3].id]
 
 
@@ -96,11 +93,11 @@ def test_a_row_after_a_failed_one_of_its_aggregate_is_held_back() -> None:
     rows = [row(1, "a", 1), row(2, "a"), row(3, "b")]
     sink.poison[rows[0].id] = KafkaError.TOPIC_AUTHORIZATION_FAILED
 
-    assert pub.publish(rows, never)
+    assert pub.publish(rows)
 
     assert pub.own == {0}  # refused alone: its own
     assert pub.held == [1]  # not sent: it must not overtake the failed row
-    assert pub.acked == {2}
+    assert pub.delivered == {2}
 
 
 def test_what_the_client_or_the_router_refuses_is_the_rows_own_even_among_others() -> None:
@@ -109,11 +106,11 @@ def test_what_the_client_or_the_router_refuses_is_the_rows_own_even_among_others
     assert isinstance(sink, ClientRefuses)
     sink.refuse = frozenset({rows[1].id})
 
-    assert pub.publish(rows, never)
+    assert pub.publish(rows)
 
     # Too large for the client (refused in offer) and a NULL payload (the router refuses it
     # without --tombstone-on-empty-payload): both certain, though sent among others.
-    assert pub.refused.keys() == pub.own == {1, 2}
-    assert "MSG_SIZE_TOO_LARGE" in pub.refused[1]
-    assert "NULL payload" in pub.refused[2]
-    assert pub.acked == {0, 3}
+    assert pub.failures.keys() == pub.own == {1, 2}
+    assert "MSG_SIZE_TOO_LARGE" in pub.failures[1]
+    assert "NULL payload" in pub.failures[2]
+    assert pub.delivered == {0, 3}
