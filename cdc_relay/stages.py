@@ -1,17 +1,20 @@
-"""The stages the CDC loop is wired from, as the loop uses them.
+"""The stages the pipeline is wired from, as the loop uses them.
 
-``stream.py`` takes each stage by injection, the real one by default: the replication source
-(replication.py), the sink (sink.py; the poller's publisher.py uses the same one), the
+pipeline.Pipeline runs a ``Feed`` (the source: a replication slot's stream, stream.py; a poll
+worker's claims, poller.py), routes each event into a ``Sink`` (sink.py), and hands each
+delivery report to a ``Checkpointer`` (the LSN tracker; a claimed batch, batch.py) or to a
+``RefusalPolicy`` (stream.Rewinds, deadletter.DeadLetterRefusals around it; batch.Batch).
+
+Beneath the feeds: the stream takes the replication ``Source`` (replication.py), the
 dead-letter store (deadletter.py), and for exactly once the transactional sink and the
-checkpoint store (exactly_once.py). A unit test gives it in-memory ones and runs the loop
-with no database and no broker (tests/unit/test_stream_loop.py, test_stream_loop_eos.py).
+checkpoint store (exactly_once.py); the poller takes the outbox as its source and its
+checkpoint at once: a worker claims rows and marks them in one transaction (``Claims``, of an
+``OutboxStore``; store.py has the real ones). Each is injected, the real one by default, and
+unit tests give in-memory ones (tests/unit/test_pipeline.py, test_stream_loop.py,
+test_stream_loop_eos.py, test_poll_loop.py).
 
-``poller.py`` takes the same sink, and the outbox as its source and checkpointer at once: a
-worker claims rows and marks them in one transaction (``Claims``, of an ``OutboxStore``;
-store.py has the real ones, tests/unit/test_poll_loop.py an in-memory one).
-
-Narrow on purpose: exactly what the loop and the publisher call, no more; ``mypy --strict``
-proves that the real classes satisfy them.
+Narrow on purpose: exactly what the loop calls, no more; ``mypy --strict`` proves that the
+real classes satisfy them.
 """
 
 from __future__ import annotations

@@ -367,7 +367,7 @@ WHERE id = ANY(%(ids)s::uuid[])
 
 -- mark_failed --
 -- Rows Kafka refused: one more attempt counted, due again after their backoff; a row out of
--- attempts whose failure was its own (publisher.py: refused alone, or by the client) is
+-- attempts whose failure was its own (batch.py: refused alone, or by the client) is
 -- parked as a dead letter; one refused among others is tried again, alone
 UPDATE {table} AS t
 SET attempts = t.attempts + 1,
