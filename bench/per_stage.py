@@ -163,7 +163,7 @@ def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
     relay._last_status = float("inf")  # no replication connection: no status updates
 
     def run() -> None:
-        # As StreamRelay._pump does: reports served every few milliseconds.
+        # As StreamRelay.pump does: reports served every few milliseconds.
         lsn = relay.tracker.safe_lsn
         next_tick = 0.0
         for record in records:
@@ -172,7 +172,7 @@ def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
                 record = Commit(lsn, lsn, record.commit_time_us)
             handle(record)
             if time.monotonic() >= next_tick:
-                relay._serve(0)
+                relay.pipeline.serve(0)
                 relay._send_status()
                 next_tick = time.monotonic() + 0.005
         relay.sink.settle(30)
