@@ -51,6 +51,7 @@ class Rewind(Exception):
 
 
 _PENDING = object()  # no report yet for the message sent alone
+_NONE = object()  # no message inside sink.offer
 
 
 def _nothing() -> None:
@@ -86,7 +87,8 @@ class Pipeline:
         self._route = router.route
         self._ack = checkpointer.acked
         self._refuse = refusals.refused
-        self._offering = False  # inside sink.offer: a refusal now is the client's, of this one
+        # The token of the message inside sink.offer: a refusal of it now is the client's.
+        self._offering: Any = _NONE
         self._refused_now: KafkaError | None = None
         self._lone: Any = None  # the token of the message sent alone, waiting for its report
         self._lone_result: object = _PENDING
@@ -100,7 +102,7 @@ class Pipeline:
         self._ack(token)
 
     def _refused(self, token: Any, err: KafkaError) -> None:
-        if self._offering:
+        if token is self._offering:
             self._refused_now = err
         elif token is self._lone:
             self._lone_result = err
@@ -155,11 +157,11 @@ class Pipeline:
         of it, if any."""
         sink = self.sink
         while True:
-            self._offering = True
+            self._offering = token
             try:
                 accepted = sink.offer(message, token)
             finally:
-                self._offering = False
+                self._offering = _NONE
             if self._refused_now is not None:
                 err, self._refused_now = self._refused_now, None
                 return err

@@ -192,6 +192,28 @@ def test_the_clients_refusal_in_offer_is_the_culprit_after_all_in_flight_settled
     assert stages.of("acked") == ["acked e0", "acked e2"]
 
 
+class ServesInOffer(ClientRefuses):
+    """Serves the reports it holds at the start of ``offer``, as a sink may (polling before it
+    produces): a refusal served then is of another message than the one offered."""
+
+    def offer(self, message: Message, token: Any) -> bool:
+        self._report()
+        return super().offer(message, token)
+
+
+def test_a_refusal_of_another_message_served_inside_offer_stays_that_messages() -> None:
+    stages = Stages()
+    sink = ServesInOffer(stages.pipeline._acked, stages.pipeline._refused, stages.log)
+    stages.pipeline.sink = stages.sink = sink
+    sink.poison["e0"] = TOO_LARGE
+    stages.publish(0)
+    stages.publish(1)  # e0's refusal is served inside this offer
+    stages.pipeline.settle()
+
+    assert stages.of("refused") == [f"refused e0 {TOO_LARGE}"]  # a suspect, e0's
+    assert not stages.of("culprit")  # e1 was never refused
+
+
 def test_alone_settles_first_then_offers_with_nothing_beside_it_and_clears_on_ack() -> None:
     stages = Stages()
     stages.sink.hold = {"e0"}
