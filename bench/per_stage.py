@@ -35,7 +35,7 @@ from cdc_relay.events import Begin, Commit, Insert, Relation, RowMapper
 from cdc_relay.metrics import EVENTS_PUBLISHED, LATENCY
 from cdc_relay.routing import Message, Router
 from cdc_relay.sink import KafkaSink, producer_config
-from cdc_relay.slot import OutboxTable
+from cdc_relay.tables import OutboxTable
 
 DATA = Path(__file__).with_name("data") / "pgoutput-backlog.jsonl"
 

@@ -227,7 +227,7 @@ def _check_handover(
             "row; drop it (cdc-relay drop-slot) or choose another --slot"
         )
     _check_room(conn, "the handover")
-    pending = counts(conn, outbox)
+    pending = counts(conn, outbox.table)
     if pending.get("dead_letters"):
         raise PreflightError(
             f"{pending['dead_letters']} dead letters are in {outbox.qualified}; retry them "

@@ -36,16 +36,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from cdc_relay.lsn import Lsn, parse
 from cdc_relay.queries import QUERIES
-
-if TYPE_CHECKING:  # slot.py imports this module, for status
-    from cdc_relay.slot import OutboxTable
+from cdc_relay.tables import OutboxTable
 
 _LOOK_EVERY = 0.2  # seconds between looks at the slot while waiting for it
 _ADVANCE_EVERY = 1.0  # seconds between empty transactions while waiting for it
@@ -107,7 +105,7 @@ def wait_for(
 def query(name: str, table: OutboxTable) -> sql.Composed:
     """A named query on ``table`` whose ``{confirmed}`` is queries.sql's confirmed_row."""
     return sql.SQL(QUERIES[name]).format(
-        table=sql.Identifier(table.schema, table.name),
+        table=table.identifier,
         confirmed=sql.SQL(QUERIES["confirmed_row"]),
     )
 

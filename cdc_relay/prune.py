@@ -21,8 +21,9 @@ from cdc_relay import horizon
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.queries import QUERIES
-from cdc_relay.slot import OutboxTable, connect, relay_problem, slot_problem
+from cdc_relay.slot import connect, relay_problem, slot_problem
 from cdc_relay.store import Outbox, refused, resolve
+from cdc_relay.tables import OutboxTable
 
 log = logging.getLogger(__name__)
 

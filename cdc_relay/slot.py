@@ -15,13 +15,14 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from cdc_relay import failover, horizon, schema
+from cdc_relay import failover, horizon, schema, store
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ReplicationConnection
 from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut, every_shard
+from cdc_relay.tables import OutboxTable, find_table
 
 log = logging.getLogger(__name__)
 
@@ -55,40 +56,6 @@ class SlotSpec:
         return replace(
             self, slot=shard.name(self.slot), publication=shard.name(self.publication), shard=shard
         )
-
-
-@dataclass(frozen=True)
-class OutboxTable:
-    """The outbox table by identity: the relay follows its OID through renames and schema
-    moves, as the publication does."""
-
-    oid: int
-    schema: str
-    name: str
-    partitioned: bool
-
-    @property
-    def qualified(self) -> str:
-        """``schema.name``, each quoted only where SQL needs it."""
-        return f"{_ident(self.schema)}.{_ident(self.name)}"
-
-
-def _ident(name: str) -> str:
-    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
-        return name
-    return '"' + name.replace('"', '""') + '"'
-
-
-def find_table(conn: psycopg.Connection[dict[str, Any]], table: str) -> OutboxTable | None:
-    """``--table`` resolved as PostgreSQL resolves it (search_path, case folding, quotes)."""
-    row = conn.execute(QUERIES["outbox_table"], {"table": table}).fetchone()
-    return OutboxTable(**row) if row else None
-
-
-def table_by_oid(conn: psycopg.Connection[dict[str, Any]], oid: int) -> OutboxTable | None:
-    """The table of ``oid`` as it is named now; None once it is dropped."""
-    row = conn.execute(QUERIES["outbox_table_by_oid"], {"oid": oid}).fetchone()
-    return OutboxTable(**row) if row else None
 
 
 def coverage_problem(
@@ -647,12 +614,12 @@ def status(
         )
         counts: dict[str, Any] = {"unprocessed": None, "dead_letters": None}
         missing = _one(conn, "poll_columns", oid=outbox.oid).get("missing") if outbox else None
-        if found and "processed_at" not in (missing or ()):
+        if found and outbox is not None and "processed_at" not in (missing or ()):
             # The dead letters of this table: the view outbox_dead_letters shows those of
-            # outbox_events only, whichever table --table names.
-            name = "unprocessed_count" if "retry_after" in (missing or ()) else "pending_counts"
-            statement = sql.SQL(QUERIES[name]).format(table=sql.SQL(found["name"]))
-            counts.update(conn.execute(statement).fetchone() or {})
+            # outbox_events only, whichever table --table names. A table without retry_after
+            # has none: its unprocessed rows alone.
+            dead_letters = "retry_after" not in (missing or ())
+            counts.update(store.counts(conn, outbox, dead_letters=dead_letters))
         rows = _confirmed_rows(conn, slot_name, outbox, wait) if relays and outbox else {}
     return {
         "slot": slot_name,

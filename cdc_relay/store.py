@@ -25,7 +25,7 @@ from psycopg.rows import class_row, dict_row
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
 from cdc_relay.queries import QUERIES
-from cdc_relay.slot import OutboxTable, find_table
+from cdc_relay.tables import OutboxTable, find_table
 
 LOCK_CLASS = 0x43444352  # "CDCR"
 """First key of the outbox's advisory lock (``pg_locks.classid``); the second is the table's
@@ -104,7 +104,7 @@ class Outbox:
         type as its text (the bytes pgoutput sends, so both relays publish the same value)."""
         payload = QUERIES["payload_bytes" if self.payload_bytea else "payload_text"]
         return sql.SQL(QUERIES[name]).format(
-            table=sql.Identifier(self.table.schema, self.table.name),
+            table=self.table.identifier,
             payload=sql.SQL(payload),
             created_at=sql.SQL(QUERIES["created_at_text" if self.created_at else "no_created_at"]),
             payload_kind=sql.Literal(payload_kind(self.payload_type, self.payload_bytea)),
@@ -263,9 +263,14 @@ def take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
 # -- what the commands beside the relay ask of it ---------------------------------------------
 
 
-def counts(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> dict[str, int]:
-    """The outbox's ``unprocessed`` rows and the ``dead_letters`` among them."""
-    return conn.execute(outbox.query("pending_counts")).fetchone() or {}
+def counts(
+    conn: psycopg.Connection[dict[str, Any]], table: OutboxTable, dead_letters: bool = True
+) -> dict[str, int]:
+    """The ``unprocessed`` rows of ``table`` and the ``dead_letters`` among them, for the
+    progress line, the handover and ``cdc-relay status``; ``unprocessed`` alone when
+    ``dead_letters`` is False (status, on a table without ``retry_after``, which marks them)."""
+    query = sql.SQL(QUERIES["pending_counts" if dead_letters else "unprocessed_count"])
+    return conn.execute(query.format(table=table.identifier)).fetchone() or {}
 
 
 def pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
@@ -273,7 +278,7 @@ def pending_counts(conninfo: str, outbox: Outbox) -> dict[str, int] | None:
     workers meet the same error and report it)."""
     try:
         with psycopg.connect(conninfo, autocommit=True, row_factory=dict_row) as conn:
-            return counts(conn, outbox) or None
+            return counts(conn, outbox.table) or None
     except psycopg.DatabaseError:
         return None
 

@@ -81,12 +81,10 @@ from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
 from cdc_relay.sink import Acked, KafkaSink, Refused
 from cdc_relay.slot import (
     PLUGINS,
-    OutboxTable,
     besides_problem,
     check_encoding,
     connect,
     coverage_problem,
-    find_table,
     timeline_of,
 )
 from cdc_relay.stages import (
@@ -101,6 +99,7 @@ from cdc_relay.stages import (
     Sink,
     Source,
 )
+from cdc_relay.tables import OutboxTable, find_table
 from cdc_relay.wal2json import Wal2JsonDecoder
 from cdc_relay.watch import Watcher
 

@@ -43,7 +43,8 @@ from cdc_relay.events import (
 from cdc_relay.lsn import format_lsn
 from cdc_relay.queries import QUERIES
 from cdc_relay.routing import fill_table, legal_topic
-from cdc_relay.slot import OutboxTable, connect, find_table
+from cdc_relay.slot import connect
+from cdc_relay.tables import OutboxTable, find_table
 
 # -- where librdkafka's murmur2_random puts a key -----------------------------------------------
 

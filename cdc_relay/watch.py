@@ -22,13 +22,8 @@ from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
 from cdc_relay.queries import QUERIES
 from cdc_relay.shards import Shard
-from cdc_relay.slot import (
-    OutboxTable,
-    besides_problem,
-    coverage_problem,
-    inheritors_problem,
-    table_by_oid,
-)
+from cdc_relay.slot import besides_problem, coverage_problem, inheritors_problem
+from cdc_relay.tables import OutboxTable, table_by_oid
 
 log = logging.getLogger(__name__)
 

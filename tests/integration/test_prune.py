@@ -46,7 +46,8 @@ from cdc_relay.devstack.postgres import LocalPostgres, _server_account
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.prune import delete_confirmed
-from cdc_relay.slot import SlotSpec, connect, find_table, setup
+from cdc_relay.slot import SlotSpec, connect, setup
+from cdc_relay.tables import find_table
 
 pytestmark = pytest.mark.integration
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cdc_relay.shards import hashtext
-from cdc_relay.slot import OutboxTable
 from cdc_relay.store import Outbox, OutboxRow
+from cdc_relay.tables import OutboxTable
 
 JSONB_OID = 3802
 

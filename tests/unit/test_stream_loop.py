@@ -30,8 +30,8 @@ from cdc_relay.events import Begin, Commit, Insert, Record, Relation
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message
-from cdc_relay.slot import OutboxTable
 from cdc_relay.stream import StreamRelay, StreamSettings
+from cdc_relay.tables import OutboxTable
 
 BACKLOG = Path(__file__).parents[2] / "bench" / "data" / "pgoutput-backlog.jsonl"
 DEAD = "outbox.dead"  # the dead-letter topic

@@ -1,0 +1,56 @@
+"""The outbox tables by identity: resolved as PostgreSQL resolves a name, known by oid.
+
+Set-up and status (slot.py), the stream, the poller's store and the commands beside them all
+name a table so. It imports nothing of the relay's but its queries, so that any of them may
+import it: store.py, which slot.py counts through, could not import slot.py for it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from cdc_relay.queries import QUERIES
+
+
+@dataclass(frozen=True)
+class OutboxTable:
+    """The outbox table by identity: the relay follows its OID through renames and schema
+    moves, as the publication does."""
+
+    oid: int
+    schema: str
+    name: str
+    partitioned: bool
+
+    @property
+    def qualified(self) -> str:
+        """``schema.name``, each quoted only where SQL needs it."""
+        return f"{_ident(self.schema)}.{_ident(self.name)}"
+
+    @property
+    def identifier(self) -> sql.Identifier:
+        """The table as a query's ``{table}`` names it: ``"schema"."name"``."""
+        return sql.Identifier(self.schema, self.name)
+
+
+def _ident(name: str) -> str:
+    if re.fullmatch(r"[a-z_][a-z0-9_$]*", name):
+        return name
+    return '"' + name.replace('"', '""') + '"'
+
+
+def find_table(conn: psycopg.Connection[dict[str, Any]], table: str) -> OutboxTable | None:
+    """``--table`` resolved as PostgreSQL resolves it (search_path, case folding, quotes)."""
+    row = conn.execute(QUERIES["outbox_table"], {"table": table}).fetchone()
+    return OutboxTable(**row) if row else None
+
+
+def table_by_oid(conn: psycopg.Connection[dict[str, Any]], oid: int) -> OutboxTable | None:
+    """The table of ``oid`` as it is named now; None once it is dropped."""
+    row = conn.execute(QUERIES["outbox_table_by_oid"], {"oid": oid}).fetchone()
+    return OutboxTable(**row) if row else None
