@@ -214,12 +214,18 @@ def test_a_refusal_of_another_message_served_inside_offer_stays_that_messages() 
     assert not stages.of("culprit")  # e1 was never refused
 
 
-def test_alone_settles_first_then_offers_with_nothing_beside_it_and_clears_on_ack() -> None:
+def one_then_one_alone() -> Stages:
+    """e0 published and held until the next poll, then e1 alone."""
     stages = Stages()
     stages.sink.hold = {"e0"}
     stages.sink.on_poll = stages.sink.hold.clear
     stages.publish(0)
     stages.publish(1, alone=True)
+    return stages
+
+
+def test_alone_settles_first_then_offers_with_nothing_beside_it_and_clears_on_ack() -> None:
+    stages = one_then_one_alone()
 
     assert stages.sink.offered == [("e0", 0), ("e1", 0)]  # e0 reported before e1 went
     assert stages.of("acked") == ["acked e0", "acked e1"]
@@ -268,11 +274,7 @@ def test_an_event_the_router_refuses_is_unroutable_and_never_offered(alone: bool
 
 
 def test_before_alone_and_after_alone_run_around_the_lone_offer_in_that_order() -> None:
-    stages = Stages()
-    stages.sink.hold = {"e0"}
-    stages.sink.on_poll = stages.sink.hold.clear
-    stages.publish(0)
-    stages.publish(1, alone=True)
+    stages = one_then_one_alone()
 
     lone = stages.log[stages.log.index("before_alone") :]
     # Before: after the settle, nothing in flight (the transaction committed before it);
