@@ -181,7 +181,7 @@ class Pipeline:
                 return err
             self._after_alone()
             while self._lone_result is _PENDING:
-                self.wait_for_kafka()  # nothing else is in flight: no refusal but its own
+                self._flush()  # nothing else is in flight: no refusal but its own
             return self._lone_result if isinstance(self._lone_result, KafkaError) else None
         finally:
             self._lone = None
@@ -205,4 +205,14 @@ class Pipeline:
     def settle(self) -> None:
         """Wait until Kafka answered for every message sent."""
         while self.sink.in_flight():
-            self.wait_for_kafka()
+            self._flush()
+
+    def _flush(self) -> None:
+        """``wait_for_kafka`` for a wait on everything in flight: the sink's ``settle`` sends
+        what it holds at once (librdkafka's flush does not wait out linger.ms, a poll does),
+        so a poll worker's batch, or an event sent alone, is not held back by it."""
+        self.sink.settle(WAIT)
+        self.serve(0)  # the reports flush served; raises on a fatal producer error
+        self._tick()
+        if self._give_up():
+            raise Stopping
