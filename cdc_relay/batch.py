@@ -26,8 +26,8 @@ from cdc_relay.config import RelaySettings
 from cdc_relay.errors import RelayError
 from cdc_relay.pipeline import WAIT, Pipeline, Stopping
 from cdc_relay.routing import Message, Router
-from cdc_relay.sink import Acked, KafkaSink, Refused
-from cdc_relay.stages import OpenSink, Sink
+from cdc_relay.sink import kafka_sink
+from cdc_relay.stages import OpenSink
 from cdc_relay.store import OutboxRow
 
 # A token of the sink: the batch it belongs to, and the row's index in it. A report of an
@@ -165,11 +165,6 @@ def open_batch(
     """A batch on its own pipeline: the router of ``settings``, and the sink of ``open_sink``
     (the idempotent producer by default). A poll worker's; the handover's, which never gives
     up waiting."""
-
-    def open_kafka(acked: Acked, refused: Refused) -> Sink:
-        if open_sink is not None:
-            return open_sink(acked, refused)
-        return KafkaSink(settings.kafka_config, on_ack=acked, relay="poll", on_refused=refused)
-
     router = Router(settings.topic_template, settings.tombstone_on_empty, settings.cloudevents)
-    return Batch(router, open_kafka, tick=tick, give_up=give_up)
+    opener = open_sink or kafka_sink(settings.kafka_config, relay="poll")
+    return Batch(router, opener, tick=tick, give_up=give_up)

@@ -98,6 +98,18 @@ Acked = Callable[[Any], None]
 Refused = Callable[[Any, KafkaError], None]
 
 
+def kafka_sink(
+    config: Mapping[str, str], relay: str = "stream"
+) -> Callable[[Acked, Refused], KafkaSink]:
+    """What opens the idempotent producer's sink for ``config`` from its two report callbacks
+    (stages.OpenSink): the default sink of every relay."""
+
+    def open_sink(acked: Acked, refused: Refused) -> KafkaSink:
+        return KafkaSink(config, on_ack=acked, on_refused=refused, relay=relay)
+
+    return open_sink
+
+
 class KafkaSink:
     """Produces routed messages and reports each with the caller's token: ``on_ack`` when
     Kafka acknowledged it, ``on_refused`` when it did not (at once, from ``offer``, when the

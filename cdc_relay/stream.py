@@ -78,7 +78,7 @@ from cdc_relay.refusals import Fate, fate, refusal_error
 from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.routing import Message, Router
 from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
-from cdc_relay.sink import Acked, KafkaSink, Refused
+from cdc_relay.sink import Acked, Refused, kafka_sink
 from cdc_relay.slot import (
     PLUGINS,
     besides_problem,
@@ -285,9 +285,7 @@ class StreamRelay:
 
         def open_kafka(acked: Acked, refused: Refused) -> Sink:
             if eos is None:
-                if open_sink is not None:
-                    return open_sink(acked, refused)
-                return KafkaSink(settings.kafka_config, on_ack=acked, on_refused=refused)
+                return (open_sink or kafka_sink(settings.kafka_config))(acked, refused)
             if open_transactions is not None:
                 made.append(open_transactions(acked, refused))
             else:  # Kafka's, whose transactions time out
