@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
+import pgoutput_encoder as encoder
 import pytest
 from capture import messages
 from hypothesis import HealthCheck, given, settings
@@ -142,70 +142,68 @@ i64 = st.integers(-(2**63), 2**63 - 1)
 c_text = st.text(st.characters(exclude_characters="\0", exclude_categories=["Cs"]), max_size=20)
 
 
-def cstring(text: str) -> bytes:
-    return text.encode() + b"\0"
-
-
 @st.composite
-def pg_tuple(draw: st.DrawFn) -> tuple[bytes, tuple[Value, ...]]:
-    """TupleData: each column text ('t'), binary ('b'), NULL ('n') or unchanged TOAST ('u')."""
-    encoded = []
+def pg_tuple(draw: st.DrawFn) -> tuple[tuple[Value, ...], set[int]]:
+    """TupleData's values, each text ('t'), binary ('b'), NULL ('n') or unchanged TOAST
+    ('u'), and the positions of the binary ones."""
     values: list[Value] = []
-    for kind in draw(st.lists(st.sampled_from("tbnu"), max_size=12)):
+    binary = set()
+    for position, kind in enumerate(draw(st.lists(st.sampled_from("tbnu"), max_size=12))):
         if kind in "tb":
-            data = draw(st.binary(max_size=40))
-            encoded.append(kind.encode() + struct.pack("!I", len(data)) + data)
-            values.append(data)
+            values.append(draw(st.binary(max_size=40)))
+            if kind == "b":
+                binary.add(position)
         else:
-            encoded.append(kind.encode())
             values.append(None if kind == "n" else UNCHANGED)
-    return struct.pack("!H", len(values)) + b"".join(encoded), tuple(values)
+    return tuple(values), binary
 
 
 @st.composite
 def pg_begin(draw: st.DrawFn) -> tuple[bytes, Record]:
     lsn, ts, xid = draw(u64), draw(i64), draw(u32)
     record = Begin(final_lsn=lsn, commit_time_us=ts + PG_EPOCH_OFFSET_US, xid=xid)
-    return b"B" + struct.pack("!QqI", lsn, ts, xid), record
+    return encoder.begin(lsn, record.commit_time_us, xid), record
 
 
 @st.composite
 def pg_commit(draw: st.DrawFn) -> tuple[bytes, Record]:
     flags, lsn, end, ts = draw(u8), draw(u64), draw(u64), draw(i64)
     record = Commit(commit_lsn=lsn, end_lsn=end, commit_time_us=ts + PG_EPOCH_OFFSET_US)
-    return b"C" + struct.pack("!BQQq", flags, lsn, end, ts), record
+    return encoder.commit(lsn, end, record.commit_time_us, flags), record
 
 
 @st.composite
 def pg_relation(draw: st.DrawFn) -> tuple[bytes, Record]:
     relid, namespace, name = draw(u32), draw(c_text), draw(c_text)
-    columns = draw(st.lists(st.tuples(u8, c_text, u32, i32), max_size=12))
-    encoded = b"R" + struct.pack("!I", relid) + cstring(namespace) + cstring(name)
-    encoded += bytes([draw(st.sampled_from(b"dnfi"))]) + struct.pack("!H", len(columns))
-    for flags, column, oid, typmod in columns:
-        encoded += bytes([flags]) + cstring(column) + struct.pack("!Ii", oid, typmod)
-    record = Relation(
-        relid=relid,
-        namespace=namespace or "pg_catalog",  # pgoutput's "" for pg_catalog
-        name=name,
-        columns=tuple(Column(column, oid) for _, column, oid, _ in columns),
+    drawn = draw(st.lists(st.tuples(u8, c_text, u32, i32), max_size=12))
+    columns = tuple(Column(column, oid) for _, column, oid, _ in drawn)
+    encoded = encoder.relation(
+        relid,
+        namespace,
+        name,
+        columns,
+        replica_identity=draw(st.sampled_from("dnfi")),
+        typmods=[typmod for *_, typmod in drawn],
+        flags=[flags for flags, *_ in drawn],
     )
+    # pgoutput's "" for pg_catalog
+    record = Relation(relid=relid, namespace=namespace or "pg_catalog", name=name, columns=columns)
     return encoded, record
 
 
 @st.composite
 def pg_insert(draw: st.DrawFn) -> tuple[bytes, Record]:
     relid = draw(u32)
-    encoded, values = draw(pg_tuple())
-    return b"I" + struct.pack("!I", relid) + b"N" + encoded, Insert(relid=relid, values=values)
+    values, binary = draw(pg_tuple())
+    return encoder.insert(relid, values, binary), Insert(relid=relid, values=values)
 
 
 @st.composite
 def pg_message(draw: st.DrawFn) -> tuple[bytes, Record]:
     flags, lsn, prefix, content = draw(u8), draw(u64), draw(c_text), draw(st.binary(max_size=60))
-    encoded = b"M" + bytes([flags]) + struct.pack("!Q", lsn) + cstring(prefix)
-    encoded += struct.pack("!I", len(content)) + content
-    record = LogicalMessage(transactional=bool(flags & 1), lsn=lsn, prefix=prefix, content=content)
+    transactional = bool(flags & 1)
+    encoded = encoder.message(transactional, lsn, prefix, content, flags)
+    record = LogicalMessage(transactional=transactional, lsn=lsn, prefix=prefix, content=content)
     return encoded, record
 
 
@@ -213,22 +211,23 @@ def pg_message(draw: st.DrawFn) -> tuple[bytes, Record]:
 def pg_ignored(draw: st.DrawFn) -> tuple[bytes, Record]:
     """Update, Delete, Truncate, Origin and Type: read through, then ignored."""
     kind = draw(st.sampled_from(["update", "delete", "truncate", "origin", "type"]))
-    relid = struct.pack("!I", draw(u32))
+    relid = draw(u32)
     if kind == "update":
-        old = draw(st.sampled_from(["", "K", "O"]))
-        encoded = b"U" + relid
-        if old:
-            encoded += old.encode() + draw(pg_tuple())[0]
-        encoded += b"N" + draw(pg_tuple())[0]
+        old_kind = draw(st.sampled_from(["", "K", "O"]))
+        old, old_binary = draw(pg_tuple())
+        new, binary = draw(pg_tuple())
+        encoded = encoder.update(
+            relid, new, old if old_kind else None, old_kind or "K", binary, old_binary
+        )
     elif kind == "delete":
-        encoded = b"D" + relid + draw(st.sampled_from([b"K", b"O"])) + draw(pg_tuple())[0]
+        old, binary = draw(pg_tuple())
+        encoded = encoder.delete(relid, old, draw(st.sampled_from("KO")), binary)
     elif kind == "truncate":
-        relids = draw(st.lists(u32, max_size=5))
-        encoded = b"T" + struct.pack(f"!IB{len(relids)}I", len(relids), draw(u8), *relids)
+        encoded = encoder.truncate(draw(st.lists(u32, max_size=5)), draw(u8))
     elif kind == "origin":
-        encoded = b"O" + struct.pack("!Q", draw(u64)) + cstring(draw(c_text))
+        encoded = encoder.origin(draw(u64), draw(c_text))
     else:
-        encoded = b"Y" + relid + cstring(draw(c_text)) + cstring(draw(c_text))
+        encoded = encoder.type_(relid, draw(c_text), draw(c_text))
     return encoded, Ignored(kind)
 
 
