@@ -25,8 +25,8 @@ from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput
 from cdc_relay.deadletter import DeadLetters
-from cdc_relay.errors import DeliveryError
-from cdc_relay.events import Begin, Commit, Insert, Record, Relation
+from cdc_relay.errors import DeliveryError, SlotInUseError
+from cdc_relay.events import Begin, Commit, Insert, LogicalMessage, Record, Relation
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message
@@ -59,12 +59,52 @@ def first_seen(ids: Sequence[str]) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-class Wal:
-    """The server's side: captured messages in units of the stream (a transaction, Begin to
-    Commit), and what the relay asked of it and told it."""
+class Hurried:
+    """Real time, with every wait cut to a millisecond: the loop's timeouts are upper bounds,
+    and nothing in memory comes sooner for waiting longer. (test_simulation gives the stages
+    a virtual clock instead.)"""
 
-    def __init__(self, raw: Sequence[bytes]) -> None:
+    monotonic = staticmethod(time.monotonic)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(min(seconds, 0.001))
+
+
+HURRIED = Hurried()
+
+
+class Wal:
+    """The server's side of one slot: messages in units of the stream (a transaction, Begin
+    to Commit, at its commit; a non-transactional logical message, at its own position), and
+    what the relay asked of it and told it. ``write`` adds units while relays stream: a
+    connection streams what is written, as a walsender does."""
+
+    def __init__(self, raw: Sequence[bytes] = (), clock: Any = HURRIED) -> None:
+        self.clock = clock
         self.units: list[tuple[Lsn, list[tuple[bytes, Record]]]] = []  # (end, messages)
+        self.end: Lsn = 100  # the keepalives' position: nothing written after
+        self.tables: tuple[OutboxTable, ...] = ()
+        self.event_ids: list[str] = []  # the rows' events, in stream order
+        # Keepalives the walsender sends amid the stream: (before unit, its position, reply).
+        self.keepalives: list[tuple[int, Lsn, bool]] = []
+        # The publication's row filter: a row it keeps out is not sent (nor its transaction,
+        # if nothing of it is left: PostgreSQL 15 skips empty transactions).
+        self.row_filter: Callable[[Insert], bool] = lambda row: True
+        self.starts: list[Lsn] = []  # START_REPLICATION's positions
+        self.statuses: list[tuple[Lsn, Lsn]] = []  # (written, flushed), every connection's
+        self.confirmed: Lsn = 0  # the slot's
+        self.holder: Connection | None = None  # the connection streaming the slot
+        self.lose_after: int | None = None  # the next connection is lost after so many reads
+        self.lost_after_commit: Lsn | None = None  # the end of the last Commit read before
+        self.on_idle: Callable[[], object] = lambda: None  # the test's look, at each keepalive
+        self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
+        self.connections: list[Connection] = []
+        self.watchdog = WATCHDOG
+        self.born = time.monotonic()
+        self.write(raw)
+
+    def write(self, raw: Sequence[bytes]) -> None:
+        """Append messages to the stream, whole units."""
         unit: list[tuple[bytes, Record]] = []
         for data in raw:
             record = pgoutput.decode(data)
@@ -72,20 +112,21 @@ class Wal:
             if isinstance(record, Commit):
                 self.units.append((record.end_lsn, unit))
                 unit = []
+            elif isinstance(record, LogicalMessage) and not record.transactional:
+                self.units.append((record.lsn, unit))
+                unit = []
+            elif isinstance(record, Relation) and not self.tables:
+                table = OutboxTable(record.relid, record.namespace, record.name, False)
+                self.tables = (table,)
+            elif id_ := record_id(record):
+                self.event_ids.append(id_)
         assert not unit
-        self.end = self.units[-1][0] + 100  # the keepalives' position: nothing written after
-        relation = next(r for _, u in self.units for _, r in u if isinstance(r, Relation))
-        self.tables = (OutboxTable(relation.relid, relation.namespace, relation.name, False),)
-        self.event_ids = [i for _, u in self.units for _, r in u if (i := record_id(r))]
-        self.starts: list[Lsn] = []  # START_REPLICATION's positions
-        self.statuses: list[tuple[Lsn, Lsn]] = []  # (written, flushed), every connection's
-        self.confirmed: Lsn = 0  # the slot's
-        self.lose_after: int | None = None  # the next connection is lost after so many reads
-        self.lost_after_commit: Lsn | None = None  # the end of the last Commit read before
-        self.on_idle: Callable[[], object] = lambda: None  # the test's look, at each keepalive
-        self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
-        self.connections: list[Connection] = []
-        self.born = time.monotonic()
+        if self.units:
+            self.end = max(self.end, self.units[-1][0] + 100)
+
+    def keepalive(self, reply_requested: bool = False) -> None:
+        """The walsender's keepalive after what is written so far, at the end of the WAL."""
+        self.keepalives.append((len(self.units), self.end, reply_requested))
 
     def open(self, dsn: str) -> Connection:
         connection = Connection(self)
@@ -104,73 +145,129 @@ class Wal:
         return [flushed for _, flushed in self.statuses]
 
 
+def streamed_from(unit: list[tuple[bytes, Record]], start: Lsn) -> bool:
+    """Whether a stream started at ``start`` holds ``unit``, as PostgreSQL decides: a
+    transaction whose commit record starts at or after it (Begin.final_lsn), a
+    non-transactional message whose record ends after it (its LSN is the record's end)."""
+    first = unit[0][1]
+    if isinstance(first, LogicalMessage):
+        return first.lsn > start
+    assert isinstance(first, Begin)
+    return first.final_lsn >= start
+
+
 class Connection:
     """One replication connection to the ``Wal`` (cdc_relay.stages.Source)."""
 
     def __init__(self, wal: Wal) -> None:
         self.wal = wal
-        self.queue: deque[XLogData | None] = deque()  # None: nothing to read for a moment
+        self.queue: deque[XLogData | Keepalive | None] = deque()  # None: nothing for a moment
         self.closed = False
+        self.terminated = False  # the server ended it (another relay took the slot over)
         self.lose_after: int | None = None
         self.last_commit: Lsn | None = None
+        self.start_lsn: Lsn = 0
+        self.units = 0  # units of the WAL looked at
+        self.keepalives = 0  # keepalives of the WAL looked at
+        self.relations: dict[int, bytes] = {}  # each relation's newest schema
+        self.sent: set[int] = set()  # relations whose schema this connection sent
 
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         wal = self.wal
+        holder = wal.holder
+        if holder is not None and not (holder.closed or holder.terminated):
+            raise SlotInUseError(f'replication slot "{slot}" is active for another process')
+        wal.holder = self
         wal.starts.append(start_lsn)
-        start = max(start_lsn, wal.confirmed)
+        self.start_lsn = max(start_lsn, wal.confirmed)
         self.lose_after, wal.lose_after = wal.lose_after, None
-        relations: dict[int, bytes] = {}  # each relation's newest schema
-        sent: set[int] = set()  # relations whose schema this connection sent
-        for end, unit in wal.units:
+
+    def _fill(self) -> None:
+        """Queue what was written since the last look: the units the stream holds, each
+        relation's schema before its first row on this connection, the keepalives."""
+        wal = self.wal
+        while self.units < len(wal.units) or self.keepalives < len(wal.keepalives):
+            if self.keepalives < len(wal.keepalives):
+                before, position, reply = wal.keepalives[self.keepalives]
+                if before <= self.units:
+                    self.keepalives += 1
+                    self.queue.append(Keepalive(position, reply))
+                    continue
+            end, unit = wal.units[self.units]
+            self.units += 1
             for data, record in unit:
                 if isinstance(record, Relation):
-                    relations[record.relid] = data
-                if end <= start:
-                    continue  # confirmed: the walsender sends what commits after it
-                if end in wal.pauses and isinstance(record, Begin):
-                    self.queue.append(None)
+                    self.relations[record.relid] = data
+            if not streamed_from(unit, self.start_lsn):
+                continue  # confirmed: the walsender sends what comes after it
+            kept = [
+                (data, record)
+                for data, record in unit
+                if not isinstance(record, Insert) or wal.row_filter(record)
+            ]
+            if not any(isinstance(r, Insert | LogicalMessage) for _, r in kept) and any(
+                isinstance(r, Insert) for _, r in unit
+            ):
+                continue  # every row filtered out: an empty transaction, not sent
+            if end in wal.pauses:
+                self.queue.append(None)
+            for data, record in kept:
                 if isinstance(record, Relation):
-                    sent.add(record.relid)
-                elif isinstance(record, Insert) and record.relid not in sent:
-                    sent.add(record.relid)
-                    self.queue.append(XLogData(end, end, relations[record.relid]))
+                    self.sent.add(record.relid)
+                elif isinstance(record, Insert) and record.relid not in self.sent:
+                    self.sent.add(record.relid)
+                    self.queue.append(XLogData(end, end, self.relations[record.relid]))
                 self.queue.append(XLogData(end, end, data))
 
     def read(self, timeout: float) -> XLogData | Keepalive | None:
         wal = self.wal
-        assert time.monotonic() - wal.born < WATCHDOG, "the loop did not end"
+        assert time.monotonic() - wal.born < wal.watchdog, "the loop did not end"
         assert not self.closed
+        if self.terminated:
+            raise ConnectionLost("replication connection ended by the server")
         if self.lose_after is not None:
             if self.lose_after == 0:
                 wal.lost_after_commit = self.last_commit
                 raise ConnectionLost("replication connection lost: the test cut it")
             self.lose_after -= 1
+        if not self.queue:
+            self._fill()
         if self.queue:
             message = self.queue.popleft()
-            if message is not None and message.data[:1] == b"C":
+            if isinstance(message, XLogData) and message.data[:1] == b"C":
                 self.last_commit = message.wal_end
             return message
         wal.on_idle()
-        time.sleep(0.001)
+        wal.clock.sleep(timeout)
         return Keepalive(wal.end, reply_requested=False)
 
     def send_status(self, written: Lsn, flushed: Lsn) -> None:
         assert not self.closed
+        if self.terminated:
+            raise ConnectionLost("replication connection ended by the server")
         assert flushed <= written
         self.wal.statuses.append((written, flushed))
         self.wal.confirmed = max(self.wal.confirmed, flushed)
 
     def close(self) -> None:
         self.closed = True
+        if self.wal.holder is self:
+            self.wal.holder = None
 
 
 class Sink:
     """In memory (cdc_relay.stages.Sink): holds what it is offered until ``poll`` or
     ``settle``, then acknowledges each message, or refuses it as the test says."""
 
-    def __init__(self, on_ack: Callable[[Any], None], on_refused: Callable[..., None]) -> None:
+    def __init__(
+        self,
+        on_ack: Callable[[Any], None],
+        on_refused: Callable[..., None],
+        clock: Any = HURRIED,
+    ) -> None:
         self.on_ack = on_ack
         self.on_refused = on_refused
+        self.clock = clock
         self.capacity = 1_000_000
         self.queue: list[tuple[Message, Any]] = []
         self.offered: list[tuple[str, int]] = []  # (event id, messages in flight beside it)
@@ -180,11 +277,13 @@ class Sink:
         self.hold: set[str] = set()  # event ids not reported while here
         self.hold_all = False
         # Kafka refuses a batch holding one of these events (not their dead letters): event
-        # id -> error code.
+        # id -> error code; those of ``refuse_once`` the next time only.
         self.poison: dict[str, int] = {}
+        self.refuse_once: dict[str, int] = {}
         self.on_poll: Callable[[], object] = lambda: None
         self.broken = False
         self.connected = True
+        self.watchdog = WATCHDOG
         self.born = time.monotonic()
 
     def offer(self, message: Message, token: Any) -> bool:
@@ -198,15 +297,15 @@ class Sink:
         return True
 
     def poll(self, timeout: float) -> None:
-        assert time.monotonic() - self.born < WATCHDOG, "the loop did not end"
+        assert time.monotonic() - self.born < self.watchdog, "the loop did not end"
         self.on_poll()
         if not self._report() and timeout:
-            time.sleep(min(timeout, 0.001))
+            self.clock.sleep(timeout)
 
     def settle(self, timeout: float) -> None:
         self._report()
         if self.queue:
-            time.sleep(min(timeout, 0.001))
+            self.clock.sleep(timeout)
 
     def in_flight(self) -> int:
         return len(self.queue)
@@ -241,9 +340,10 @@ class Sink:
         self.queue = held
         code = next(
             (
-                self.poison[event_id(m)]
+                self.poison.get(event_id(m)) or self.refuse_once.pop(event_id(m))
                 for m, _ in batch
-                if m.topic != DEAD and event_id(m) in self.poison
+                if m.topic != DEAD
+                and (event_id(m) in self.poison or event_id(m) in self.refuse_once)
             ),
             None,
         )
