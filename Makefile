@@ -42,6 +42,15 @@ test: check
 chaos: install
 	CDC_RELAY_CHAOS=1 $(PY) -m pytest tests/integration/test_faults.py
 
+# The simulation's long run (tests/unit/test_simulation.py; `make test` runs 500 derandomized
+# examples of each mode): SIMULATION_EXAMPLES random examples of each mode, SIMULATION_SEED to
+# repeat a run. A failure prints its schedule, shrunk; each mode prints how the search went.
+SIMULATION_EXAMPLES ?= 20000
+.PHONY: simulate
+simulate: install
+	CDC_RELAY_SIMULATION_EXAMPLES=$(SIMULATION_EXAMPLES) $(PY) -m pytest tests/unit/test_simulation.py \
+		-s --timeout=0 $(if $(SIMULATION_SEED),--hypothesis-seed=$(SIMULATION_SEED))
+
 # Coverage-guided fuzzing of the pgoutput and wal2json decoders, FUZZ_SECONDS shared between
 # them; not part of `make test` (tests/fuzz/README.md).
 FUZZ_SECONDS ?= 600

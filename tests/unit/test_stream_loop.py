@@ -103,8 +103,9 @@ class Wal:
         self.born = time.monotonic()
         self.write(raw)
 
-    def write(self, raw: Sequence[bytes]) -> None:
-        """Append messages to the stream, whole units."""
+    def write(self, raw: Sequence[bytes], end: Lsn | None = None) -> None:
+        """Append messages to the stream, whole units; the WAL then ends at ``end`` (the
+        keepalives' position), by default a little after the last unit."""
         unit: list[tuple[bytes, Record]] = []
         for data in raw:
             record = pgoutput.decode(data)
@@ -121,7 +122,9 @@ class Wal:
             elif id_ := record_id(record):
                 self.event_ids.append(id_)
         assert not unit
-        if self.units:
+        if end is not None:
+            self.end = end
+        elif self.units:
             self.end = max(self.end, self.units[-1][0] + 100)
 
     def keepalive(self, reply_requested: bool = False) -> None:
