@@ -36,7 +36,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
 from cdc_relay.batch import open_batch
@@ -457,10 +456,14 @@ class PollRelay:
             outbox = resolve(conn, self.settings.table)
             check_columns(conn, outbox)
             trigger = conn.execute(QUERIES["poll_trigger"], {"oid": outbox.table.oid})
-            if not (trigger.fetchone() or {}).get("present"):
+            found = trigger.fetchone() or {}
+            if not found.get("current"):
                 log.warning(
-                    "no trigger notifies the pollers of new rows in %s; new events wait up to "
+                    "%s notifies the pollers of new rows in %s; new events wait up to "
                     "--poll-interval (%gs): run cdc-relay schema apply poller",
+                    "an older version of the trigger of schema poller, on another channel,"
+                    if found.get("present")
+                    else "no trigger",
                     outbox.qualified,
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},
@@ -471,12 +474,11 @@ class PollRelay:
 
     def _listen(self, outbox: Outbox) -> None:
         """Turn notifications into wake-ups; reconnect when the connection drops."""
-        listen = sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(outbox.channel))
         failures = 0  # connection failures in a row
         while not self.stopping.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True) as conn:
-                    conn.execute(listen)
+                    conn.execute(outbox.listen)
                     self._listening = True
                     self.wake.notify()  # whatever was written while nobody listened
                     failures = 0

@@ -90,8 +90,15 @@ class Outbox:
 
     @property
     def channel(self) -> str:
-        """The NOTIFY channel of the trigger of cdc-relay schema poller on this table."""
-        return f"{self.table.schema}.{self.table.name}"
+        """The NOTIFY channel of the trigger of cdc-relay schema poller on this table: by its
+        OID, so that it fits whatever the table's names (63 bytes at most) and survives a
+        rename."""
+        return f"cdc_relay_{self.table.oid}"
+
+    @property
+    def listen(self) -> sql.Composed:
+        """The poller's LISTEN on ``channel``."""
+        return sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(self.channel))
 
     @property
     def lock(self) -> dict[str, int]:

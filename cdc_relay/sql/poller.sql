@@ -4,14 +4,16 @@
 
 -- Wake the pollers when events are written, instead of waiting for their poll interval.
 -- One notification per writing transaction: PostgreSQL folds identical ones together.
--- The channel is the table's schema-qualified name. Under very high commit rates the
+-- The channel is cdc_relay_ and the table's OID (the poller listens on the same): it fits
+-- whatever the table's names (pg_notify refuses a channel of 64 bytes or more, which would
+-- fail every INSERT) and follows the table through renames. Under very high commit rates the
 -- notification queue's commit-time lock shows; then drop the trigger and poll more often.
 -- PostgreSQL refuses to PREPARE a transaction that sent a notification: applications that
 -- write events with two-phase commit drop the trigger too.
 CREATE OR REPLACE FUNCTION outbox_events_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');
+    PERFORM pg_notify('cdc_relay_' || TG_RELID::text, '');
     RETURN NULL;
 END
 $$;

@@ -253,11 +253,13 @@ SELECT array(
 ) AS missing
 
 -- poll_trigger --
--- Whether a trigger of schema poller notifies the pollers of new rows in the table
-SELECT EXISTS (
-    SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-    WHERE t.tgrelid = %(oid)s::oid AND p.proname = 'outbox_events_notify'
-) AS present
+-- Whether a trigger of schema poller notifies the pollers of new rows in the table, and
+-- whether it is this version's, which names the channel by the table's OID (an older one
+-- named it by the table's names: the poller no longer listens there)
+SELECT coalesce(bool_or(true), false) AS present,
+       coalesce(bool_or(p.prosrc LIKE '%%TG_RELID%%'), false) AS current
+FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+WHERE t.tgrelid = %(oid)s::oid AND p.proname = 'outbox_events_notify'
 
 -- listen --
 LISTEN {channel}

@@ -34,7 +34,7 @@ from relaytools import (
     wait_until,
 )
 
-from cdc_relay import schema
+from cdc_relay import schema, store
 
 pytestmark = pytest.mark.integration
 
@@ -499,6 +499,24 @@ def test_poll_start_errors_are_one_line(outbox_db: str, names: Any) -> None:
         "cdc-relay: error: no Kafka broker answered at 127.0.0.1:9 within 1s"
     ), lines
     assert "check --kafka-bootstrap" in lines[-1]
+    # A trigger of an older schema poller notified a channel named by the table's names,
+    # where the poller no longer listens.
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(schema.text("poller").encode())
+        conn.execute(
+            "CREATE OR REPLACE FUNCTION outbox_events_notify() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');"
+            " RETURN NULL; END $$"
+        )
+    older = cli(*base).stderr.strip().splitlines()
+    assert (
+        "an older version of the trigger of schema poller, on another channel, notifies the "
+        "pollers of new rows in public.outbox_events" in older[0]
+    ), older
+    assert "run cdc-relay schema apply poller" in older[0]
+    install_poller(outbox_db)
+    current = cli(*base).stderr.strip().splitlines()
+    assert len(current) == 1, current  # no warning, the broker's error alone
 
 
 # -- database errors while polling -----------------------------------------------------------
@@ -818,3 +836,28 @@ def test_a_claim_reads_a_batch_not_the_backlog_however_stale_the_statistics(
             if n.get("Relation Name") == "outbox_events" and n.get("Alias") == "t"
         )
         assert 0 < scanned <= 2 * batch, (step, scanned)
+
+
+# -- the NOTIFY channel ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [49, 50])
+def test_the_notify_trigger_fits_any_table_name_and_wakes_the_poller_listening(
+    poller_db: str, length: int
+) -> None:
+    """``schema.table`` is 63 bytes with a schema of 49 characters and 64 with one of 50: a
+    channel named so would be refused by pg_notify from 64 bytes on (every INSERT failing),
+    and cut short by LISTEN."""
+    name = "tenant_" + "a" * (length - len("tenant_"))
+    in_schema = _outbox_in_schema(poller_db, name)
+    with psycopg.connect(in_schema, autocommit=True, row_factory=dict_row) as conn:
+        outbox = store.resolve(conn, f"{name}.outbox_events")
+    with psycopg.connect(in_schema, autocommit=True) as listener:
+        listener.execute(outbox.listen)  # the poller's own statement
+        writer = Writer(in_schema)
+        try:
+            writer.transaction([("order", "1", {"n": 1})])  # the trigger fires
+        finally:
+            writer.close()
+        heard = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
+    assert heard == [outbox.channel]
