@@ -134,6 +134,17 @@ class Batch:
             self.own.add(index)
         self._failed_aggregates.add(self._rows[index].aggregate)
 
+    def abandon(self) -> int:
+        """The claim is gone (PostgreSQL ended its session): what the producer still holds is
+        no longer this worker's to deliver. Another poller may be publishing those rows, and
+        newer ones of their aggregates, which the copies here must not follow: drop them, and
+        their reports with them (a new batch number). How many were dropped."""
+        dropped = self.sink.in_flight()
+        if dropped:
+            self._batch += 1
+            self.sink.renew()
+        return dropped
+
     def _renew(self) -> None:
         """A new producer; a report the old one still gives is stale (a new batch number),
         and the rows it held are failed, for a later try behind which their aggregates wait."""

@@ -28,11 +28,12 @@ on, handover.py hands over to ``stream``, prune.py prunes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psycopg
@@ -155,9 +156,7 @@ class Worker:
         self.relay = relay
         self.settings = relay.settings
         self.shard = shard
-        self.batch = open_batch(
-            relay.settings, open_sink, tick=relay.health.beat, give_up=self._give_up
-        )
+        self.batch = open_batch(relay.settings, open_sink, tick=self._tick, give_up=self._give_up)
         self.claims = claims
         self.outbox = outbox
         self.counts = Counts()
@@ -167,6 +166,7 @@ class Worker:
         self._skip: list[int] = []
         self._stopping_since: float | None = None
         self._failures = 0  # failed cycles in a row
+        self._holding = False  # inside a claim's transaction
         self.thread = threading.Thread(target=self._run, name=f"poll-worker-{shard}")
 
     def _run(self) -> None:
@@ -200,8 +200,17 @@ class Worker:
 
     def recover(self, exc: ConnectionLost) -> None:
         """After a lost connection: PostgreSQL released the claim, so whatever the producer
-        still holds may be claimed again; wait (bounded) for it to settle, then back off."""
+        still holds may be claimed, and published, by another poller, with newer rows of the
+        same aggregates; drop it rather than deliver it after those. Then back off."""
         self._failures += 1
+        dropped = self.batch.abandon()
+        if dropped:
+            log.warning(
+                "dropped %d messages Kafka had not acknowledged: PostgreSQL released their "
+                "claim, so they are published again by whichever poller claims their rows",
+                dropped,
+                extra={"action": "claim_released"},
+            )
         delay = backoff(self._failures, _RECONNECT_BASE, _RECONNECT_MAX)
         if isinstance(exc, _DatabaseLost) and exc.read_only:
             log.warning(
@@ -221,7 +230,6 @@ class Worker:
                 extra={"action": "disconnected"},
             )
         self.claims.close()
-        self.batch.pipeline.settle()  # raises Stopping once a stop's grace is over
         self.relay.health.beat()  # waiting on purpose: a restart would not help
         self.relay.stopping.wait(delay)
 
@@ -231,6 +239,17 @@ class Worker:
     def shutdown(self) -> None:
         self.claims.close()
         self.released += self.batch.sink.close()
+
+    def _tick(self) -> None:
+        """What the worker does while it waits for Kafka: beat, and look whether PostgreSQL
+        has ended the session holding the claim. Kafka may stay away for long, and a claim
+        PostgreSQL released (the session terminated, idle_in_transaction_session_timeout)
+        is then another poller's: the wait ends (recover drops what the producer holds)."""
+        self.relay.health.beat()
+        if self._holding and self.claims.lost():
+            raise ConnectionLost(
+                "PostgreSQL ended the session holding the claim while Kafka had not answered"
+            )
 
     def _give_up(self) -> bool:
         """Whether to stop waiting for Kafka: a stop was requested and its grace has run out."""
@@ -246,7 +265,7 @@ class Worker:
         claims = self.claims
         claims.open()  # a batch's duration does not count connecting
         started = time.monotonic()
-        with claims.transaction():
+        with claims.transaction(), self._claim_held():
             keys = claims.claim_aggregates(
                 settings.batch_size, self.shard, settings.workers, self._skip
             )
@@ -271,6 +290,14 @@ class Worker:
                 extra={"action": "batch_released"},
             )
         return len(rows)
+
+    @contextlib.contextmanager
+    def _claim_held(self) -> Iterator[None]:
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
 
     def _held_back(self, keys: list[int], rows: list[OutboxRow]) -> list[OutboxRow]:
         """The claimed rows that may go: claim skips a row another transaction locks (waiting

@@ -223,6 +223,10 @@ class Claims(Protocol):
         """For each aggregate of ``keys``: the first due row before ``last`` that the claim
         (``ids``) did not return, by its ``seq``."""
 
+    def lost(self) -> bool:
+        """Whether PostgreSQL has ended the session (terminated it, timed it out) or the
+        connection broke, as far as can be told without a round trip: the claim is released."""
+
     def mark_processed(self, ids: list[str]) -> None:
         """The rows Kafka acknowledged are done."""
 

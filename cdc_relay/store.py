@@ -14,12 +14,13 @@ The SQL itself is in sql/queries.sql, as named queries.
 from __future__ import annotations
 
 import contextlib
+import select
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import class_row, dict_row
 
 from cdc_relay.errors import PreflightError, RelayError
@@ -384,6 +385,25 @@ class PgClaims:
                     self._claim_skipped, {"keys": keys, "last": last, "ids": ids}
                 )
             }
+
+    def lost(self) -> bool:
+        """Whether the session is gone. PostgreSQL tells a session it ends (a FATAL message,
+        then the socket closes), so the socket turns readable: read what is there, without
+        blocking and without a query (which would restart idle_in_transaction_session_timeout
+        and take the server's time)."""
+        conn = self._conn
+        if conn is None:
+            return False
+        if conn.closed:
+            return True
+        pgconn = conn.pgconn
+        try:
+            readable, _, _ = select.select([pgconn.socket], [], [], 0)
+            if readable:
+                pgconn.consume_input()
+        except (OSError, ValueError, psycopg.OperationalError):
+            return True
+        return pgconn.status != pq.ConnStatus.OK
 
     def mark_processed(self, ids: list[str]) -> None:
         self._require().execute(self._mark_processed, {"ids": ids})

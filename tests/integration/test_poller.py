@@ -14,9 +14,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import faulttools
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from faulttools import ProxiedKafka
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
@@ -861,3 +863,81 @@ def test_the_notify_trigger_fits_any_table_name_and_wakes_the_poller_listening(
             writer.close()
         heard = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
     assert heard == [outbox.channel]
+
+
+# -- a claim PostgreSQL released is not delivered late -----------------------------------------
+
+proxied_kafka = pytest.fixture(scope="module")(faulttools.proxied_kafka)
+
+
+def poller_pids(dsn: str) -> list[int]:
+    """The backends of the pollers' sessions (their workers' and listeners')."""
+    return [
+        int(pid)
+        for (pid,) in rows(
+            dsn,
+            "SELECT pid FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = 'cdc-relay poll'",
+        )
+    ]
+
+
+def claiming(dsn: str) -> bool:
+    """Whether a poller holds an aggregate's lock: it is inside a claim's transaction."""
+    ((count,),) = rows(
+        dsn,
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE a.application_name = 'cdc-relay poll' AND l.locktype = 'advisory' "
+        "AND l.mode = 'ExclusiveLock' AND l.granted",
+    )
+    return bool(count)
+
+
+def test_a_frozen_poller_cut_off_from_kafka_drops_the_claim_postgresql_released(
+    tmp_path: Path, poller_db: str, proxied_kafka: ProxiedKafka, names: Any
+) -> None:
+    """Poller A claims e1..e3 while its link to Kafka is down, and is frozen (SIGSTOP);
+    PostgreSQL ends its session; poller B publishes e1..e4. A is resumed, its link still
+    down: it must drop e1..e3 rather than deliver them after e4 once the link is back (a
+    compacted topic would end on e3)."""
+    kafka, proxy = proxied_kafka.broker, proxied_kafka.proxy
+    writer = Writer(poller_db)
+    a = poller(tmp_path, poller_db, kafka, names, name="a")
+    a.env["CDC_RELAY_KAFKA_BOOTSTRAP"] = proxied_kafka.relay_bootstrap
+    a.start()
+    b = poller(tmp_path, poller_db, kafka, names, name="b")
+    b.env["CDC_RELAY_KAFKA_BOOTSTRAP"] = kafka.bootstrap  # not through the proxy
+    try:
+        writer.transaction([("order", "warm", {"n": 0})])
+        consume(kafka.bootstrap, names.topic_prefix, expected=1, timeout=60, settle=0)
+        proxy.cut("refuse")  # A's link to Kafka is down from here on
+        writer.transaction([("order", "x", {"n": n}) for n in (1, 2, 3)])  # claimed at once
+        wait_until(lambda: claiming(poller_db), 30, "A claiming e1..e3")
+        time.sleep(0.5)  # produced, held by A's producer
+        a.signal(signal.SIGSTOP)
+        rows(
+            poller_db,
+            "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid",
+            poller_pids(poller_db),
+        )
+        writer.transaction([("order", "x", {"n": 4})])
+        b.start()
+        consume(kafka.bootstrap, names.topic_prefix, expected=5, timeout=60, settle=0)
+        assert b.stop() == 0
+        a.signal(signal.SIGCONT)
+        wait_until(lambda: "dropped 3 messages" in a.log(), 30, "A dropping its queue")
+        proxy.restore()
+        # A sentinel of the same aggregate, published by A through the restored link: it
+        # follows on the partition whatever A's producer still held.
+        writer.transaction([("order", "x", {"n": 5})])
+        received = consume(kafka.bootstrap, names.topic_prefix, expected=6, timeout=60)
+        assert a.stop() == 0
+    finally:
+        proxy.restore()
+        a.signal(signal.SIGCONT)
+        a.close()
+        b.close()
+        writer.close()
+    numbers = {w.id: json.loads(w.payload)["n"] for w in writer.written}
+    on_x = [numbers[r.id] for r in sorted(received, key=lambda r: r.offset) if r.key == b"x"]
+    assert on_x == [1, 2, 3, 4, 5], a.log()

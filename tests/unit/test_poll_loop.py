@@ -412,3 +412,34 @@ def test_stopping_with_reports_outstanding_leaves_the_rows_unprocessed(
     assert stop[-1].getMessage() == (
         "stopped; 4 messages were still waiting for Kafka and may be published again"
     )
+
+
+def test_a_claim_postgresql_released_while_kafka_was_away_is_dropped_not_delivered_late() -> None:
+    """The worker's session ends (terminated, idle_in_transaction_session_timeout) while Kafka
+    holds its batch: PostgreSQL released the claim, and another poller may publish those rows
+    and newer ones of their aggregates. The producer's copies are dropped before Kafka comes
+    back, instead of arriving after that poller's newer events."""
+    store = MemoryOutbox()
+    first = store.add("a", 3)
+    relay = Relay(store)
+    relay.setup = lambda sink: setattr(sink, "hold_all", True)  # Kafka away
+    state = {"ended": False}
+
+    def end_session_then_kafka_back() -> bool:
+        sinks = relay.sinks
+        if not state["ended"]:
+            if sinks and len(sinks[0].queue) == 3:
+                store.end_sessions()
+                state["ended"] = True
+            return False
+        if sinks[0].queue:
+            return False  # still holding the released claim's messages
+        for sink in sinks:
+            sink.hold_all = False  # Kafka is back
+        return store.done()
+
+    relay.run_until(end_session_then_kafka_back)
+
+    assert relay.error is None
+    assert relay.acked() == first  # each once, from the claim made again: not the dropped copies
+    assert all(store.row(i).marks == ["processed"] for i in first)
