@@ -29,7 +29,16 @@ from cdc_relay.events import OutboxLayout
 from cdc_relay.poller import PollSettings
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
-from cdc_relay.store import Outbox, OutboxRow, check_columns, counts, first_line, resolve
+from cdc_relay.store import (
+    FENCES,
+    Outbox,
+    OutboxRow,
+    check_columns,
+    counts,
+    first_line,
+    handover_fence,
+    resolve,
+)
 
 
 @dataclass
@@ -221,6 +230,23 @@ def _check_handover(
             "cdc-relay poll (SIGTERM) and run the handover again"
         )
     check_columns(conn, outbox)
+    if not (
+        conn.execute(QUERIES["handover_fences"], {"schema": outbox.table.schema}).fetchone() or {}
+    ).get("present"):
+        raise PreflightError(
+            f"the handover fences the pollers off {outbox.qualified} in table "
+            f"{outbox.table.schema}.{FENCES} of schema poller, which is not there; apply it "
+            f"(cdc-relay schema apply poller, in schema {outbox.table.schema}), then run the "
+            "handover again"
+        )
+    earlier = handover_fence(conn, outbox)
+    if earlier is not None:
+        raise PreflightError(
+            f"{outbox.qualified} was handed over to stream before (slot {earlier['slot']}): "
+            "no row since is marked processed, and a handover now would publish them all "
+            f"again; stream it with slot {earlier['slot']}, or make a lost slot anew with "
+            "setup-slot --republish-since"
+        )
     if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
         raise PreflightError(
             f"slot {spec.slot} exists already, so it cannot start at the poller's last "
@@ -324,6 +350,12 @@ def _switch(
         # Every row is published (and marked): the job is complete once the copy is made, so
         # a signal no longer undoes it.
         interrupts.hold()
+        if backlog.mark:  # before the slot exists: it fences pollers while the slot exists
+            outbox = backlog.outbox
+            guard.execute(
+                outbox.query("fence_pollers", fences=outbox.fences),
+                {"oid": outbox.table.oid, "table_name": outbox.qualified, "slot": spec.slot},
+            )
         progress.copying = True
         try:
             guard.execute(QUERIES["copy_slot"], {"source": temporary, "slot": spec.slot})
@@ -331,7 +363,21 @@ def _switch(
             # The answer was lost, not necessarily the copy.
             if not _slot_exists(settings.dsn, spec.slot):
                 raise
+            if backlog.mark:
+                with connect(settings.dsn) as again:
+                    _handed_over(again, backlog.outbox, lsn)
+        else:
+            if backlog.mark:
+                _handed_over(guard, backlog.outbox, lsn)
     return lsn
+
+
+def _handed_over(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox, lsn: str) -> None:
+    """The handover's slot is made: its fence holds from now on, whatever becomes of the
+    slot (before, it fenced the pollers off only while the slot existed)."""
+    conn.execute(
+        outbox.query("handed_over", fences=outbox.fences), {"oid": outbox.table.oid, "lsn": lsn}
+    )
 
 
 def _slot_exists(dsn: str, slot: str) -> bool:

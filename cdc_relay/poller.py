@@ -61,6 +61,7 @@ from cdc_relay.store import (
     OutboxRow,
     PgStore,
     check_columns,
+    check_fence,
     check_lock_room,
     first_line,
     kind,
@@ -497,6 +498,7 @@ class PollRelay:
                 )
             check_lock_room(conn, self.settings.workers, self.settings.batch_size)
             take_poll_lock(conn, outbox)  # refused now rather than after connecting to Kafka
+            check_fence(conn, outbox)
         return outbox
 
     def _listen(self, outbox: Outbox) -> None:

@@ -28,6 +28,9 @@ from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_k
 from cdc_relay.queries import QUERIES
 from cdc_relay.tables import OutboxTable, find_table
 
+FENCES = "cdc_relay_handovers"
+"""Schema poller's table of handovers to stream, which fence the pollers off a table."""
+
 LOCK_CLASS = 0x43444352  # "CDCR"
 """First key of the outbox's advisory lock (``pg_locks.classid``); the second is the table's
 oid (``pg_locks.objid``)."""
@@ -100,6 +103,12 @@ class Outbox:
     def listen(self) -> sql.Composed:
         """The poller's LISTEN on ``channel``."""
         return sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(self.channel))
+
+    @property
+    def fences(self) -> sql.Identifier:
+        """Schema poller's table where the handover fences pollers off this table: in the
+        table's own schema, where schema poller was applied for it."""
+        return sql.Identifier(self.table.schema, FENCES)
 
     @property
     def lock(self) -> dict[str, int]:
@@ -268,6 +277,51 @@ def take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
     )
 
 
+def handover_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> dict[str, Any] | None:
+    """The handover that took ``outbox`` over to ``stream`` (its row of schema poller's
+    cdc_relay_handovers, the slot made or being made): None when none did, or when a
+    handover was undone before it made its slot. None too when the table has no such table
+    beside it: a handover refuses to run without one."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(QUERIES["handover_fences"], {"schema": outbox.table.schema})
+        if not (found.fetchone() or {}).get("present"):
+            return None
+        try:
+            fence = cur.execute(
+                sql.SQL(QUERIES["handover_fence"]).format(fences=outbox.fences),
+                {"oid": outbox.table.oid},
+            ).fetchone()
+        except psycopg.errors.InsufficientPrivilege:
+            raise PreflightError(
+                f"the role of --dsn may not read {outbox.table.schema}.{FENCES}, where a "
+                f"handover to stream fences the pollers off {outbox.qualified}; grant it "
+                "SELECT there, as cdc-relay schema show roles does for the poller role"
+            ) from None
+    if fence is None or (fence["lsn"] is None and not fence["slot_exists"]):
+        return None
+    return fence
+
+
+def check_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
+    """Refuse to poll a table handed over to ``stream``: stream marks no row processed, so
+    a poller would publish again every event since. Read on every poller connection, after
+    the outbox's lock is taken: a handover holds that lock exclusively until its fence is
+    written, so no poller claims between a handover and its fence."""
+    fence = handover_fence(conn, outbox)
+    if fence is None:
+        return
+    at = fence["handed_over_at"]
+    when = "" if at is None else f" at {at.isoformat(timespec='seconds')}"
+    start = "its start" if fence["lsn"] is None else fence["lsn"]
+    raise PreflightError(
+        f"table {outbox.qualified} was handed over to stream (cdc-relay setup-slot "
+        f"--from-poller){when}: slot {fence['slot']} relays every event committed after "
+        f"{start}, and stream marks no row processed, so a poller would publish them all "
+        f"again; run cdc-relay stream --slot {fence['slot']}, not poll (to poll the table "
+        'again instead, follow "Back from stream to poll" in the README)'
+    )
+
+
 # -- what the commands beside the relay ask of it ---------------------------------------------
 
 
@@ -340,6 +394,7 @@ class PgClaims:
             conn = psycopg.connect(self.conninfo, autocommit=True, row_factory=class_row(OutboxRow))
             try:
                 take_poll_lock(conn, self.outbox)
+                check_fence(conn, self.outbox)
             except BaseException:
                 conn.close()
                 raise

@@ -29,3 +29,20 @@ CREATE OR REPLACE VIEW outbox_dead_letters AS
     SELECT id, seq, aggregate_type, aggregate_id, event_type, attempts, last_error, created_at
     FROM outbox_events
     WHERE processed_at IS NULL AND retry_after = 'infinity';
+
+-- Where `cdc-relay setup-slot --from-poller` fences the pollers off a table it hands over to
+-- `cdc-relay stream`, which marks no row processed: a poller running afterwards (one frozen
+-- through the handover, one an orchestrator starts again) would publish every event since
+-- again. Every poller connection reads its table's row here, in the table's schema, and stops
+-- on it. The handover writes the row before it makes its slot (lsn NULL: it fences only while
+-- that slot exists, so a handover undone before it fences nothing) and sets lsn once the slot
+-- is made: from then on the fence holds, slot or no slot. A way back to polling: README.md,
+-- "Back from stream to poll".
+CREATE TABLE IF NOT EXISTS cdc_relay_handovers (
+    table_oid      oid         PRIMARY KEY,  -- the outbox table handed over
+    table_name     text        NOT NULL,     -- its name at the handover
+    slot           text        NOT NULL,     -- the slot stream relays it from
+    lsn            pg_lsn,                   -- where that slot starts; NULL until it exists
+    started_at     timestamptz NOT NULL DEFAULT now(),
+    handed_over_at timestamptz
+);

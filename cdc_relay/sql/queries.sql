@@ -592,6 +592,32 @@ SELECT current_setting('max_locks_per_transaction')::bigint
 -- (session-level, shared: pollers run side by side; a handover takes it exclusive)
 SELECT pg_try_advisory_lock_shared(%(lock_class)s::int4, %(table)s::oid::int4) AS locked
 
+-- handover_fences --
+-- Whether the outbox table's schema has schema poller's table of handovers
+SELECT to_regclass(format('%%I.cdc_relay_handovers', %(schema)s::text)) IS NOT NULL AS present
+
+-- handover_fence --
+-- The handover that took the outbox table over to stream, or is taking it over: its slot,
+-- where the slot starts (NULL until it is made) and whether it exists now
+SELECT f.table_name, f.slot, f.lsn::text AS lsn, f.handed_over_at,
+       EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.slot_name = f.slot) AS slot_exists
+FROM {fences} AS f
+WHERE f.table_oid = %(oid)s::oid
+
+-- fence_pollers --
+-- The handover's fence, before it makes its slot (a fence of an earlier handover that was
+-- undone is replaced)
+INSERT INTO {fences} (table_oid, table_name, slot)
+VALUES (%(oid)s::oid, %(table_name)s, %(slot)s)
+ON CONFLICT (table_oid) DO UPDATE
+SET table_name = excluded.table_name, slot = excluded.slot, lsn = NULL, started_at = now(),
+    handed_over_at = NULL
+
+-- handed_over --
+-- The handover's slot is made: the fence holds from now on, whatever becomes of the slot
+UPDATE {fences} SET lsn = %(lsn)s::pg_lsn, handed_over_at = now()
+WHERE table_oid = %(oid)s::oid
+
 -- handover_lock --
 -- Held by the handover from its checks to its end: no poller claims meanwhile
 SELECT pg_try_advisory_lock(%(lock_class)s::int4, %(table)s::oid::int4) AS locked

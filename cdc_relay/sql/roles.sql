@@ -89,6 +89,16 @@ SELECT format('GRANT SELECT ON TABLE %s TO %I, %I',
 WHERE to_regclass('outbox_dead_letters') IS NOT NULL
 \gexec
 
+-- schema poller's table of handovers to stream, which every poller connection reads: a table
+-- handed over is the stream's, and the poller stops.
+SELECT format('GRANT SELECT ON TABLE %s TO %I',
+              to_regclass(format('%I.cdc_relay_handovers', n.nspname)), :'poller_role')
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = :'outbox_table'::regclass
+  AND to_regclass(format('%I.cdc_relay_handovers', n.nspname)) IS NOT NULL
+\gexec
+
 -- schema outbox's table of the events `stream --dead-letter-topic` dead-lettered: the stream
 -- relay writes each one there, with its content, before it confirms the slot past it.
 SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',

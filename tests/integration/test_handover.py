@@ -223,6 +223,9 @@ def test_no_poller_runs_beside_a_handover_and_stream_starts_after_it(
         conn.execute(
             sql.SQL("GRANT SELECT, UPDATE ON outbox_events TO {}").format(sql.Identifier(role))
         )
+        conn.execute(
+            sql.SQL("GRANT SELECT ON cdc_relay_handovers TO {}").format(sql.Identifier(role))
+        )
     as_role = make_conninfo(outbox_db, user=role)
     env = relay_env(as_role, kafka_service.bootstrap, names, workers="2", batch_size="50")
     first = RelayProcess(tmp_path, env, name="first", command="poll").start()
@@ -297,3 +300,60 @@ def test_no_poller_runs_beside_a_handover_and_stream_starts_after_it(
     # Per aggregate: what the poller published, then the handover's backlog, then the stream.
     assert verdict.out_of_order == []
     assert verdict.duplicates <= 100  # the first poller's batches in flight when it was cut
+
+
+def test_the_handover_fences_a_poller_frozen_through_it_and_one_started_after_it(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """``stream`` marks no row, so a poller running after the handover would publish every
+    event since again: one frozen (SIGSTOP) through the handover, whose sessions PostgreSQL
+    ended so that the handover could run, and one started after it (an orchestrator's
+    restart) each stop with one line as they connect, and publish nothing."""
+    install_poller(outbox_db)
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, poll_interval="1")
+    frozen = RelayProcess(tmp_path, env, name="frozen", command="poll").start()
+    late = RelayProcess(tmp_path, env, name="late", command="poll")
+    writer = Writer(outbox_db)
+    try:
+        for i in range(5):
+            writer.transaction([("order", f"a{i}", {"i": i})])
+        wait_until(lambda: processed(outbox_db) == 5, 60, "the poller to publish")
+        frozen.signal(signal.SIGSTOP)
+        query(
+            outbox_db,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'cdc-relay poll'",
+        )
+        switched = handover(outbox_db, kafka_service.bootstrap, names)
+        assert switched.returncode == 0, switched.stderr
+        for i in range(5):
+            writer.transaction([("order", f"a{i}", {"i": 5 + i})])  # stream's to relay
+        frozen.signal(signal.SIGCONT)
+        assert frozen.wait(60) == 1, frozen.log()
+        late.start()
+        assert late.wait(60) == 1, late.log()
+        # A second handover would publish again every row since the first, unmarked.
+        query(outbox_db, sql.SQL("SELECT pg_drop_replication_slot(%s)"), names.slot)
+        again = handover(outbox_db, kafka_service.bootstrap, names)
+        assert again.returncode == 1
+        assert again.stderr.strip() == (
+            f"cdc-relay: error: public.outbox_events was handed over to stream before (slot "
+            f"{names.slot}): no row since is marked processed, and a handover now would "
+            f"publish them all again; stream it with slot {names.slot}, or make a lost slot "
+            "anew with setup-slot --republish-since"
+        )
+    finally:
+        frozen.signal(signal.SIGCONT)
+        frozen.close()
+        late.close()
+        writer.close()
+    for poller in (frozen, late):
+        line = poller.log().strip().splitlines()[-1]
+        assert line.startswith(
+            "cdc-relay: error: table public.outbox_events was handed over to stream "
+            "(cdc-relay setup-slot --from-poller) at "
+        ), poller.log()
+        assert f"run cdc-relay stream --slot {names.slot}, not poll" in line
+    assert processed(outbox_db) == 5
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=10, timeout=5)
+    assert sorted(r.id for r in received) == sorted(w.id for w in writer.written[:5])
