@@ -26,7 +26,7 @@ from psycopg.rows import RowFactory, RowMaker, class_row
 from cdc_relay.batch import Batch, open_batch
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.poller import PollSettings
+from cdc_relay.poller import PollSettings, out_of_seq_order
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
 from cdc_relay.store import (
@@ -37,6 +37,7 @@ from cdc_relay.store import (
     counts,
     first_line,
     handover_fence,
+    published_after,
     resolve,
 )
 
@@ -54,6 +55,7 @@ class _Progress:
 
     published: int = 0  # published (and, where the backlog marks rows, marked processed)
     copying: bool = False  # making the slot permanent: done or not, every row is published
+    out_of_order: int = 0  # published after a later row of their aggregate (a poller's)
 
 
 _ROWS: RowFactory[OutboxRow] = class_row(OutboxRow)
@@ -204,9 +206,15 @@ def publish_then_slot(
             publisher.sink.close()
     lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
     marked = " and marked them processed" if backlog.mark else ""
+    late = (
+        f" ({progress.out_of_order} of them out of seq order: a poller had published a later "
+        "event of their aggregate, their transaction committing after it)"
+        if progress.out_of_order
+        else ""
+    )
     lines.append(
-        f"published {progress.published} events {backlog.what.format(lsn=lsn)}{marked}; start "
-        f"cdc-relay stream --slot {spec.slot} for everything after it"
+        f"published {progress.published} events {backlog.what.format(lsn=lsn)}{marked}{late}; "
+        f"start cdc-relay stream --slot {spec.slot} for everything after it"
     )
     return Handover(lines)
 
@@ -398,11 +406,17 @@ def _publish_all(
     mark = backlog.outbox.query("mark_processed")
 
     def publish(batch: Sequence[OutboxRow]) -> None:
+        # A row a poller published a later row of its aggregate before goes out after it.
+        late = published_after(marker, backlog.outbox, [row.id for row in batch])
         publisher.publish(batch)
         acked = [batch[i].id for i in sorted(publisher.delivered)]
         if acked and backlog.mark:
             marker.execute(mark, {"ids": acked})
         progress.published += len(acked)
+        for i in sorted(publisher.delivered):
+            if batch[i].id in late:
+                progress.out_of_order += 1
+                out_of_seq_order(batch[i], late[batch[i].id], "handover")
 
     while batch := rows.fetchmany(settings.batch_size):
         backlog.outbox.check_payload(batch)

@@ -31,6 +31,12 @@ EVENTS_PENDING = Gauge(
     "outbox_events_pending",
     "Events not yet acknowledged: the poller's unprocessed rows, the stream's events in flight.",
 )
+OUT_OF_SEQ_ORDER = Counter(
+    "outbox_events_out_of_seq_order",
+    "Events published after a later event (higher seq) of their aggregate: their transaction "
+    "committed after that one went out.",
+    ["relay"],
+)
 DEAD_LETTERS = Gauge(
     "outbox_dead_letters",
     "Rows the poller gave up on (attempts >= max attempts).",

@@ -47,6 +47,7 @@ from cdc_relay.metrics import (
     DEAD_LETTERS,
     EVENTS_PENDING,
     EVENTS_PUBLISHED,
+    OUT_OF_SEQ_ORDER,
     Health,
 )
 from cdc_relay.pipeline import WAIT
@@ -277,8 +278,9 @@ class Worker:
             if not rows:
                 return 0
             self.outbox.check_payload(rows)
+            late = claims.published_after([row.id for row in rows])
             complete = self.batch.publish(rows)
-            self._mark(rows)
+            self._mark(rows, late)
         BATCH_DURATION.observe(time.monotonic() - started)
         if not complete:
             # Stopping with reports outstanding: those rows stay unprocessed and unlocked, and
@@ -313,7 +315,7 @@ class Worker:
         self._skip = sorted(set(keys) - {row.key for row in rows if row.key is not None})
         return rows
 
-    def _mark(self, rows: Sequence[OutboxRow]) -> None:
+    def _mark(self, rows: Sequence[OutboxRow], late: dict[str, int]) -> None:
         batch = self.batch
         settings = self.settings
         if batch.delivered:
@@ -321,6 +323,9 @@ class Worker:
             self.claims.mark_processed(ids)
             self.counts.published += len(ids)
             EVENTS_PUBLISHED.labels(relay="poll").inc(len(ids))
+            for i in sorted(batch.delivered):
+                if rows[i].id in late:
+                    out_of_seq_order(rows[i], late[rows[i].id], "poll")
         if not batch.failures:
             return
         failed = [rows[i] for i in batch.failures]
@@ -373,6 +378,25 @@ class Worker:
                     delay,
                     extra={"action": "retry_later", **fields},
                 )
+
+
+def out_of_seq_order(row: OutboxRow, after: int, relay: str) -> None:
+    """Say and count that ``row`` went out after the event of seq ``after`` of its aggregate
+    (README.md, "Order per aggregate on each path")."""
+    OUT_OF_SEQ_ORDER.labels(relay=relay).inc()
+    log.warning(
+        "event %s went out after event seq %d of its aggregate, out of seq order (its seq is "
+        "%s): its transaction committed after that one was published",
+        row.id,
+        after,
+        row.seq,
+        extra={
+            "action": "out_of_seq_order",
+            "event_id": row.id,
+            "event_type": row.event_type,
+            "aggregate_id": row.aggregate_id,
+        },
+    )
 
 
 class PollRelay:
@@ -495,6 +519,14 @@ class PollRelay:
                     outbox.qualified,
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},
+                )
+            if not outbox.published_index:
+                log.warning(
+                    "no index on (aggregate_type, aggregate_id, seq) of the processed rows of "
+                    "%s: rows published after a later row of their aggregate are not counted "
+                    "(outbox_events_out_of_seq_order_total); run cdc-relay schema apply poller",
+                    outbox.qualified,
+                    extra={"action": "no_order_index"},
                 )
             check_lock_room(conn, self.settings.workers, self.settings.batch_size)
             take_poll_lock(conn, outbox)  # refused now rather than after connecting to Kafka

@@ -87,6 +87,7 @@ class Outbox:
     payload_type: int | None  # pg_type oid of the payload column; None without one
     payload_bytea: bool  # bytea, or a domain over it
     created_at: bool = False  # a created_at column of a timestamp type
+    published_index: bool = False  # an index serves published_after (schema poller's)
 
     @property
     def qualified(self) -> str:
@@ -163,11 +164,13 @@ def resolve(
         ).fetchone()
         or {}
     )
+    index = conn.execute(QUERIES["published_index"], {"oid": found.oid}).fetchone() or {}
     return Outbox(
         found,
         payload.get("payload_type"),
         bool(payload.get("payload_bytea")),
         payload.get("created_at_type") in TIMESTAMP_OIDS,
+        bool(index.get("present")),
     )
 
 
@@ -300,6 +303,19 @@ def handover_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> dict[str, A
     if fence is None or (fence["lsn"] is None and not fence["slot_exists"]):
         return None
     return fence
+
+
+def published_after(
+    conn: psycopg.Connection[Any], outbox: Outbox, ids: list[str]
+) -> dict[str, int]:
+    """Of the rows ``ids``, those a later row of their aggregate was published before (their
+    transaction committed after it went out): by id, that row's seq. Empty without an index
+    to look them up by (``Outbox.published_index``): a look-up would read the whole table."""
+    if not outbox.published_index or not ids:
+        return {}
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(outbox.query("published_after"), {"ids": ids})
+        return {row["id"]: int(row["after"]) for row in found}
 
 
 def check_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
@@ -440,6 +456,9 @@ class PgClaims:
                     self._claim_skipped, {"keys": keys, "last": last, "ids": ids}
                 )
             }
+
+    def published_after(self, ids: list[str]) -> dict[str, int]:
+        return published_after(self._require(), self.outbox, ids)
 
     def lost(self) -> bool:
         """Whether the session is gone. PostgreSQL tells a session it ends (a FATAL message,

@@ -22,6 +22,16 @@ CREATE OR REPLACE TRIGGER outbox_events_notify
     AFTER INSERT ON outbox_events
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_events_notify();
 
+-- Each aggregate's published rows by seq: the poller (and the handover) look up whether a row
+-- they are about to publish has a later row of its aggregate already published (its
+-- transaction committed after that one went out), which they count as out of seq order
+-- (README.md, "Order per aggregate on each path"). Only rows marked processed are in it, so
+-- an outbox relayed by stream, which marks none, keeps it empty. On a large table, create it
+-- beforehand with CREATE INDEX CONCURRENTLY, so that writes are not blocked while it is built.
+CREATE INDEX IF NOT EXISTS outbox_events_published
+    ON outbox_events (aggregate_type, aggregate_id, seq)
+    WHERE processed_at IS NOT NULL;
+
 -- Rows the poller gave up on: it failed to publish them --max-attempts times.
 -- The poller parks them at retry_after = 'infinity'; `cdc-relay dead-letters retry`
 -- puts them back in the queue.

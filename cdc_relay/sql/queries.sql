@@ -361,6 +361,38 @@ WHERE t.processed_at IS NULL
   AND t.id <> ALL(%(ids)s::uuid[])
 GROUP BY 1
 
+-- published_index --
+-- Whether an index serves published_after (schema poller's outbox_events_published, or one
+-- like it): on aggregate_type, aggregate_id and seq first, over every row or the processed
+-- ones. Without one, each look-up would read the whole table
+SELECT EXISTS (
+    SELECT 1 FROM pg_index i
+    WHERE i.indrelid = %(oid)s::oid AND i.indisvalid
+      AND (i.indkey::int2[])[0:2] = ARRAY(
+          SELECT a.attnum
+          FROM unnest(ARRAY['aggregate_type', 'aggregate_id', 'seq']) WITH ORDINALITY AS c(name, n)
+          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attname = c.name
+          ORDER BY c.n)
+      AND (i.indpred IS NULL
+           OR pg_get_expr(i.indpred, i.indrelid) = '(processed_at IS NOT NULL)')
+) AS present
+
+-- published_after --
+-- Of the rows `ids`, those whose aggregate has a row of a higher seq already published
+-- (processed): each one's transaction committed after that row went out, and it goes out after
+-- it, out of seq order. `after`: the highest such seq. One probe of published_index a row
+SELECT t.id::text AS id, l.seq AS after
+FROM {table} AS t
+CROSS JOIN LATERAL (
+    SELECT p.seq FROM {table} AS p
+    WHERE p.processed_at IS NOT NULL
+      AND p.aggregate_type = t.aggregate_type AND p.aggregate_id = t.aggregate_id
+      AND p.seq > t.seq
+    ORDER BY p.seq DESC
+    LIMIT 1
+) AS l
+WHERE t.id = ANY(%(ids)s::uuid[])
+
 -- mark_processed --
 -- Rows Kafka acknowledged, in one statement, found by primary key (a condition on
 -- processed_at could lure the planner onto the partial index of every unprocessed row)
@@ -494,7 +526,7 @@ SET TRANSACTION SNAPSHOT {snapshot}
 -- {created_at} and {payload_kind} as in claim
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
-       {created_at} AS created_at, {payload_kind} AS payload_kind
+       {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq
 FROM {table} AS t
 WHERE t.processed_at IS NULL
 ORDER BY t.seq

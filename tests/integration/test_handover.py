@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from relaytools import (
     Load,
+    Received,
     RelayProcess,
     Writer,
     check,
@@ -28,6 +30,10 @@ from relaytools import (
     relay_env,
     wait_until,
 )
+from test_observability import scrape
+
+from cdc_relay.devstack import free_ports
+from cdc_relay.outbox import write_event
 
 pytestmark = pytest.mark.integration
 
@@ -357,3 +363,96 @@ def test_the_handover_fences_a_poller_frozen_through_it_and_one_started_after_it
     assert processed(outbox_db) == 5
     received = consume(kafka_service.bootstrap, names.topic_prefix, expected=10, timeout=5)
     assert sorted(r.id for r in received) == sorted(w.id for w in writer.written[:5])
+
+
+# -- claim order: two transactions of one aggregate committing out of seq order -------------
+
+
+def out_of_seq_order(dsn: str, key: str, between: Callable[[], object] = lambda: None) -> None:
+    """Events ``key``-1 and ``key``-2 of aggregate ``key``: the first inserted (lower seq) by a
+    transaction that commits after the second's; ``between`` runs once the second committed."""
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
+        for conn, n in ((first, 1), (second, 2)):
+            write_event(
+                conn,
+                aggregate_type="order",
+                aggregate_id=key,
+                event_type="order.changed",
+                payload={"n": f"{key}-{n}"},
+            )
+        second.commit()
+        between()
+        first.commit()
+
+
+def order_of(received: list[Received], key: str) -> list[str]:
+    """The events of aggregate ``key`` on Kafka, in partition order (first deliveries)."""
+    ordered = sorted((r for r in received if r.key == key.encode()), key=lambda r: r.offset)
+    return list(dict.fromkeys(json.loads(r.value or b"{}")["n"] for r in ordered))
+
+
+def test_two_transactions_of_one_aggregate_committing_out_of_seq_order(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """What README.md states of the order of each path: poll publishes the rows a claim finds
+    in seq order, and a row committed after a later one of its aggregate went out follows it,
+    counted; the handover publishes in seq order, and counts such a row among its backlog; the
+    republish publishes in seq order."""
+    install_poller(outbox_db)
+    (port,) = free_ports(1)
+    env = relay_env(
+        outbox_db, kafka_service.bootstrap, names, poll_interval="0.2", metrics_port=str(port)
+    )
+    poll = RelayProcess(tmp_path, env, name="poll", command="poll")
+    try:
+        out_of_seq_order(outbox_db, "both-before-a-claim")  # committed before the poller runs
+        poll.start()
+        wait_until(lambda: processed(outbox_db) == 2, 60, "the poller to publish")
+        out_of_seq_order(  # the second published before the first commits
+            outbox_db,
+            "poll",
+            lambda: wait_until(lambda: processed(outbox_db) == 3, 60, "the second published"),
+        )
+        wait_until(lambda: processed(outbox_db) == 4, 60, "the first published")
+        samples = scrape(port)
+        assert samples['outbox_events_out_of_seq_order_total{relay="poll"}'] == 1.0
+        out_of_seq_order(  # the second published, the first left to the handover
+            outbox_db,
+            "handover",
+            lambda: (
+                wait_until(lambda: processed(outbox_db) == 5, 60, "the second published"),
+                poll.stop(),
+            ),
+        )
+        assert poll.wait(10) == 0, poll.log()
+    finally:
+        poll.close()
+    late = [line for line in poll.log().splitlines() if "out of seq order" in line]
+    assert len(late) == 1, poll.log()
+
+    out_of_seq_order(outbox_db, "the-backlog")
+    switched = handover(outbox_db, kafka_service.bootstrap, names)
+    assert switched.returncode == 0, switched.stderr
+    assert "1 of them out of seq order" in switched.stdout, switched.stdout
+
+    # A lost slot made anew: the pair is in the table, and republished in seq order.
+    query(outbox_db, "SELECT pg_drop_replication_slot(%s)", names.slot)
+    out_of_seq_order(outbox_db, "republished")
+    made = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--republish-since", "1h"],
+        env={**os.environ, **relay_env(outbox_db, kafka_service.bootstrap, names)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=10)
+    assert order_of(received, "both-before-a-claim") == [
+        "both-before-a-claim-1",
+        "both-before-a-claim-2",
+    ]
+    assert order_of(received, "poll") == ["poll-2", "poll-1"]
+    assert order_of(received, "handover") == ["handover-2", "handover-1"]
+    assert order_of(received, "the-backlog") == ["the-backlog-1", "the-backlog-2"]
+    assert order_of(received, "republished")[-2:] == ["republished-1", "republished-2"]

@@ -258,6 +258,21 @@ class MemoryClaims:
                     skipped[r.key] = min(skipped.get(r.key, r.seq), r.seq)
         return skipped
 
+    def published_after(self, ids: list[str]) -> dict[str, int]:
+        self._query("published_after")
+        with self.store.lock:
+            after = {}
+            for row_id in ids:
+                row = self.store.row(row_id)
+                later = [
+                    r.seq
+                    for r in self.store.rows
+                    if r.processed and r.aggregate_id == row.aggregate_id and r.seq > row.seq
+                ]
+                if later:
+                    after[row_id] = max(later)
+            return after
+
     def mark_processed(self, ids: list[str]) -> None:
         assert self._marks is not None, "outside a transaction"
         self._query("mark_processed")

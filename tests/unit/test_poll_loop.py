@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from confluent_kafka import KafkaError
 from memory_outbox import MemoryOutbox
+from prometheus_client import REGISTRY
 from test_stream_loop import Sink, event_id
 
 from cdc_relay.errors import RelayError
@@ -443,3 +444,28 @@ def test_a_claim_postgresql_released_while_kafka_was_away_is_dropped_not_deliver
     assert relay.error is None
     assert relay.acked() == first  # each once, from the claim made again: not the dropped copies
     assert all(store.row(i).marks == ["processed"] for i in first)
+
+
+def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its transaction committed after the later row went out (README.md, "Order per
+    aggregate on each path"): it follows that row, and the poller says so."""
+    store = MemoryOutbox()
+    first, second = store.add("a", 2)
+    store.row(second).processed = True  # published before the first row's commit
+    before = REGISTRY.get_sample_value("outbox_events_out_of_seq_order_total", {"relay": "poll"})
+    relay = Relay(store)
+
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.poller"):
+        relay.run_until(store.done)
+
+    assert relay.error is None
+    assert relay.acked() == [first]
+    after = REGISTRY.get_sample_value("outbox_events_out_of_seq_order_total", {"relay": "poll"})
+    assert (after or 0) - (before or 0) == 1
+    (said,) = [r for r in caplog.records if getattr(r, "action", None) == "out_of_seq_order"]
+    assert said.getMessage() == (
+        f"event {first} went out after event seq 2 of its aggregate, out of seq order (its seq "
+        "is 1): its transaction committed after that one was published"
+    )
