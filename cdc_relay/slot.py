@@ -564,7 +564,14 @@ def relay_problem(
     # wal2json selects rows by the tables stream is given; setup-slot lists them in the
     # publication, and stream refuses to run without one listed there.
     row = _one(conn, "coverage", publication=publication, oid=table.oid)
-    if row and not row["covered"]:
+    if not row:
+        return (
+            f"publication {publication} does not exist, and with a wal2json slot it is what "
+            f"shows which tables the relay of slot {slot} selects (cdc-relay setup-slot lists "
+            f"them there): nothing shows that the slot relays {table.qualified}; name the "
+            "slot's publication with --publication"
+        )
+    if not row["covered"]:
         return (
             f"publication {publication}, which lists the tables the relay of wal2json slot "
             f"{slot} selects, does not list {table.qualified}, so the slot relays none of its "
