@@ -402,13 +402,15 @@ WHERE id = ANY(%(ids)s::uuid[])
 -- mark_failed --
 -- Rows Kafka refused: one more attempt counted, due again after their backoff; a row out of
 -- attempts whose failure was its own (batch.py: refused alone, or by the client) is
--- parked as a dead letter; one refused among others is tried again, alone
+-- parked as a dead letter; one refused among others is tried again, alone. The backoff counts
+-- from now, the failure (clock_timestamp()), not from the claim (now(), the transaction's
+-- start: a batch may have waited long for Kafka, and the wait would be over already)
 UPDATE {table} AS t
 SET attempts = t.attempts + 1,
     last_error = f.error,
     retry_after = CASE WHEN f.own AND t.attempts + 1 >= %(max_attempts)s
                        THEN 'infinity'::timestamptz
-                       ELSE now() + make_interval(secs => f.delay) END
+                       ELSE clock_timestamp() + make_interval(secs => f.delay) END
 FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(delays)s::float8[], %(own)s::bool[])
      AS f(id, error, delay, own)
 WHERE t.id = f.id

@@ -941,3 +941,32 @@ def test_a_frozen_poller_cut_off_from_kafka_drops_the_claim_postgresql_released(
     numbers = {w.id: json.loads(w.payload)["n"] for w in writer.written}
     on_x = [numbers[r.id] for r in sorted(received, key=lambda r: r.offset) if r.key == b"x"]
     assert on_x == [1, 2, 3, 4, 5], a.log()
+
+
+# -- the backoff -----------------------------------------------------------------------------
+
+
+def test_a_failed_row_waits_its_backoff_from_the_failure_not_from_the_claim(
+    poller_db: str,
+) -> None:
+    """A batch may wait long for Kafka inside its claim's transaction (the broker away); a
+    backoff counted from the claim (the transaction's now()) would have passed by the time
+    the row is marked failed, and the row would be tried again at once."""
+    writer = Writer(poller_db)
+    (row,) = writer.transaction([("order", "1", {})])
+    writer.close()
+    with psycopg.connect(poller_db, autocommit=True, row_factory=dict_row) as conn:
+        outbox = store.resolve(conn, "outbox_events")
+    claims = store.PgClaims(poller_db, outbox)
+    try:
+        with claims.transaction():
+            keys = claims.claim_aggregates(10, 0, 1, [])
+            assert [r.id for r in claims.claim(10, keys)] == [row.id]
+            time.sleep(2)  # Kafka answers late
+            claims.mark_failed([row.id], ["refused"], [1.0], [True], 10)
+    finally:
+        claims.close()
+    ((waits,),) = rows(
+        poller_db, "SELECT retry_after > clock_timestamp() FROM outbox_events WHERE id = %s", row.id
+    )
+    assert waits, "the row is due again at once"
