@@ -198,7 +198,7 @@ def _database(
             f"table {settings.table} does not exist; check --table (cdc-relay schema apply "
             "outbox makes it)"
         )
-    query = sql.SQL(QUERIES["trace_row"]).format(table=sql.SQL(table.qualified))
+    query = sql.SQL(QUERIES["trace_row"]).format(table=table.identifier)
     row = conn.execute(query, {"id": result.event_id}).fetchone()
     if row is not None:
         result.row = dict(row["row"])

@@ -264,3 +264,23 @@ def test_trace_says_the_relay_is_behind_when_it_streams_the_slot_without_confirm
         f"; the relay (pid {found['slot']['active_pid']}) is behind, or waits for Kafka's "
         "acknowledgement"
     )
+
+
+def test_trace_finds_the_row_of_a_table_in_a_schema_named_by_a_reserved_word(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute('CREATE SCHEMA "user"')
+        conn.execute('CREATE TABLE "user".outbox_events (LIKE public.outbox_events INCLUDING ALL)')
+        event = str(uuid.uuid4())
+        conn.execute(
+            'INSERT INTO "user".outbox_events (id, aggregate_type, aggregate_id, event_type, '
+            "payload) VALUES (%s, 'order', '1', 'order.created', '{}')",
+            [event],
+        )
+    code, found = trace(
+        outbox_db, kafka_service.bootstrap, names, event, "--table", '"user".outbox_events'
+    )
+    assert code == 3
+    assert found["row"]["id"] == event
+    assert found["committed"] is True
