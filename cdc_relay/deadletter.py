@@ -24,7 +24,7 @@ from psycopg.rows import dict_row
 from cdc_relay import store
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.metrics import EVENTS_FAILED
+from cdc_relay.metrics import count_failed
 from cdc_relay.queries import QUERIES
 from cdc_relay.refusals import header, is_culprit, log_refusal
 from cdc_relay.replication import ConnectionLost
@@ -177,4 +177,4 @@ class DeadLetterRefusals:
                 "was confirmed: fix the dead-letter topic and restart"
             )
         log_refusal(log.warning, "event sent to the dead-letter topic", message, err)
-        EVENTS_FAILED.labels(relay="stream", event_type=header(message, "event_type")).inc()
+        count_failed("stream", header(message, "event_type"))

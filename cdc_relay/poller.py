@@ -48,6 +48,7 @@ from cdc_relay.metrics import (
     EVENTS_PENDING,
     EVENTS_PUBLISHED,
     OUT_OF_SEQ_ORDER,
+    count_failed,
     Health,
 )
 from cdc_relay.pipeline import WAIT
@@ -341,6 +342,8 @@ class Worker:
             settings.max_attempts,
         )
         self.counts.failed += len(failed)
+        for row in failed:
+            count_failed("poll", row.event_type)
         for row, delay, error, its_own in zip(
             failed, delays, batch.failures.values(), own, strict=True
         ):

@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError
 
 from cdc_relay.errors import DeliveryError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.metrics import EVENTS_FAILED
+from cdc_relay.metrics import count_failed
 from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def refusal_error(message: Message, err: KafkaError, relay: str) -> DeliveryErro
     remedy = _REMEDIES.get(
         err.code(), "fix the cause and restart the relay; it resumes from this event"
     )
-    EVENTS_FAILED.labels(relay=relay, event_type=event_type).inc()
+    count_failed(relay, event_type)
     log_refusal(log.error, "event refused", message, err)
     return DeliveryError(
         f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "

@@ -469,3 +469,19 @@ def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
         f"event {first} went out after event seq 2 of its aggregate, out of seq order (its seq "
         "is 1): its transaction committed after that one was published"
     )
+
+
+def test_a_refused_row_is_counted_in_outbox_events_failed() -> None:
+    """README.md lists outbox_events_failed_total among the poller's metrics."""
+    store = MemoryOutbox()
+    poison = store.add("b")[0]
+    labels = {"relay": "poll", "event_type": "created"}
+    before = REGISTRY.get_sample_value("outbox_events_failed_total", labels) or 0
+    relay = Relay(store, max_attempts=2)
+    relay.poison[poison] = KafkaError.MSG_SIZE_TOO_LARGE
+
+    relay.run_until(store.done)
+
+    assert relay.error is None
+    assert store.row(poison).dead
+    assert (REGISTRY.get_sample_value("outbox_events_failed_total", labels) or 0) - before == 2
