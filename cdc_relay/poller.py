@@ -48,8 +48,8 @@ from cdc_relay.metrics import (
     EVENTS_PENDING,
     EVENTS_PUBLISHED,
     OUT_OF_SEQ_ORDER,
-    count_failed,
     Health,
+    count_failed,
 )
 from cdc_relay.pipeline import WAIT
 from cdc_relay.queries import QUERIES
