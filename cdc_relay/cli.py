@@ -736,6 +736,15 @@ def schema_apply(name: str, dsn: str) -> None:
     help="Changes the slot has not confirmed to read at most, looking for the event.",
 )
 @click.option(
+    "--max-wal-bytes",
+    type=click.IntRange(1),
+    default=1_000_000_000,
+    show_default=True,
+    metavar="BYTES",
+    help="WAL to decode at most from the slot's restart position, looking for the event "
+    "(decoding reads other tables' changes too, on the server).",
+)
+@click.option(
     "--max-messages",
     type=click.IntRange(1),
     default=10_000,
@@ -763,6 +772,7 @@ def trace_command(
     kafka_timeout: float,
     message_prefix: str,
     max_changes: int,
+    max_wal_bytes: int,
     max_messages: int,
     clock_skew: float,
     as_json: bool,
@@ -787,6 +797,7 @@ def trace_command(
         topic_template=topic_template,
         kafka_timeout=kafka_timeout,
         max_changes=max_changes,
+        max_wal_bytes=max_wal_bytes,
         max_messages=max_messages,
         clock_skew=clock_skew,
     )

@@ -703,11 +703,23 @@ WHERE event_id = %(id)s
 -- reading it leaves the slot, and a relay streaming it, as they are
 SELECT lsn::text AS lsn FROM pg_copy_logical_replication_slot(%(slot)s, %(copy)s, true)
 
+-- trace_peek_bound --
+-- Where a read of the slot copy stops so as to decode at most `bytes` of WAL from its restart
+-- position: NULL when the WAL written so far is within that (on a standby, the WAL replayed)
+SELECT CASE WHEN pg_wal_lsn_diff(w.lsn, s.restart_lsn) > %(bytes)s
+            THEN (s.restart_lsn + %(bytes)s::numeric)::text END AS upto
+FROM pg_replication_slots s,
+     (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                  ELSE pg_current_wal_lsn() END AS lsn) AS w
+WHERE s.slot_name = %(slot)s
+
 -- trace_peek --
 -- The changes of committed transactions the slot copy has not confirmed, oldest first, read
--- without consuming them; stops after the transaction in which `limit` changes are reached
+-- without consuming them; stops after the transaction in which `limit` changes are reached,
+-- and at `upto` (NULL: the end of the WAL)
 SELECT data
-FROM pg_logical_slot_peek_binary_changes(%(slot)s, NULL, %(limit)s, VARIADIC %(options)s::text[])
+FROM pg_logical_slot_peek_binary_changes(%(slot)s, %(upto)s::pg_lsn, %(limit)s,
+                                         VARIADIC %(options)s::text[])
 
 -- create_failover_slot --
 -- A logical slot that standbys with sync_replication_slots = on keep a copy of (PostgreSQL 17+)

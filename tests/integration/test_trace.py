@@ -284,3 +284,25 @@ def test_trace_finds_the_row_of_a_table_in_a_schema_named_by_a_reserved_word(
     assert code == 3
     assert found["row"]["id"] == event
     assert found["committed"] is True
+
+
+def test_trace_reads_a_lagging_slot_up_to_a_bound_of_wal(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """A slot far behind on a busy database: the changes of other tables are decoded and left
+    out, so a bound on changes alone would let trace decode every byte of WAL the slot holds
+    back, on the primary. --max-wal-bytes bounds it, and the answer says the scan was cut."""
+    setup_slot(outbox_db, names)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE busy (n int, pad text)")
+        conn.execute("INSERT INTO busy SELECT n, repeat('x', 200) FROM generate_series(1, 20000) n")
+    event = write(outbox_db)  # after about 5 MB of other WAL
+    code, found = trace(
+        outbox_db, kafka_service.bootstrap, names, event, "--max-wal-bytes", "1000000"
+    )
+    assert code == 3
+    assert found["pending"] is None
+    assert found["pending_scan"] == "cut"
+    assert "--max-wal-bytes" in found["answer"], found["answer"]
+    code, found = trace(outbox_db, kafka_service.bootstrap, names, event)  # 1 GB by default
+    assert found["pending"]["form"] == "row"
