@@ -12,6 +12,7 @@ The poller's: rows it gave up on after --max-attempts, parked in the outbox (ret
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -58,6 +59,12 @@ class DeadLetters:
                 "is missing or not writable by this role; run cdc-relay schema apply outbox (and "
                 "grant what cdc-relay schema show roles grants, for a least-privilege role)"
             )
+        if not row["current"]:
+            raise PreflightError(
+                f"table {TABLE} is of an older schema outbox, which keeps one event per id (two "
+                "events of one id, from two tables, would keep the first one's content); run "
+                "cdc-relay schema apply outbox, which keys it by content too"
+            )
 
     def store(self, message: Message, err: KafkaError) -> None:
         """Keep the event with its content; raises ConnectionLost when the database is away
@@ -73,6 +80,7 @@ class DeadLetters:
             "error": err.str(),
             "commit_lsn": format_lsn(message.lsn),
             "slot": self._slot,
+            "content_sha256": content_sha256(message),
         }
         try:
             if self._conn is None or self._conn.closed:
@@ -104,6 +112,18 @@ class DeadLetters:
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
+
+
+def content_sha256(message: Message) -> bytes:
+    """What tells two dead letters of one id apart (events of two tables may share an id) and
+    a dead letter stored again the same: the SHA-256 of its topic, key, value and headers."""
+    content = [
+        message.topic,
+        None if message.key is None else message.key.hex(),
+        None if message.value is None else message.value.hex(),
+        [[name, value.hex()] for name, value in message.headers],
+    ]
+    return hashlib.sha256(json.dumps(content).encode()).digest()
 
 
 # -- the poller's: rows parked in the outbox ------------------------------------------------

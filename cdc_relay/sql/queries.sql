@@ -176,16 +176,20 @@ SELECT coalesce(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
 -- store_dead_letter --
 -- An event Kafka refused for good, with its content, before the slot moves past it
 INSERT INTO cdc_relay_dead_letters
-    (event_id, topic, key, value, headers, error_code, error, commit_lsn, slot)
+    (event_id, topic, key, value, headers, error_code, error, commit_lsn, slot, content_sha256)
 VALUES (%(event_id)s, %(topic)s, %(key)s, %(value)s, %(headers)s, %(error_code)s, %(error)s,
-        %(commit_lsn)s::pg_lsn, %(slot)s)
-ON CONFLICT (event_id) DO UPDATE
+        %(commit_lsn)s::pg_lsn, %(slot)s, %(content_sha256)s)
+ON CONFLICT (event_id, content_sha256) DO UPDATE
 SET error_code = excluded.error_code, error = excluded.error, dead_at = now()
 
 -- dead_letter_table --
--- Whether the stream's dead-letter table exists and this role may write it
+-- Whether the stream's dead-letter table exists and this role may write it, and whether it
+-- is keyed by content too (an older schema outbox keyed it by event id alone)
 SELECT to_regclass('cdc_relay_dead_letters') IS NOT NULL
-       AND has_table_privilege('cdc_relay_dead_letters', 'INSERT, UPDATE') AS writable
+       AND has_table_privilege('cdc_relay_dead_letters', 'INSERT, UPDATE') AS writable,
+       EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = to_regclass('cdc_relay_dead_letters')
+                 AND attname = 'content_sha256' AND NOT attisdropped) AS current
 
 -- slot --
 -- A replication slot by name, with its position and the WAL it holds back (on a standby, up to
