@@ -649,6 +649,37 @@ def status(
 def reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> list[str]:
     """Create the ``after`` new shards of ``spec``, then write the cut at which the ``before``
     old ones stop and the new ones start (shards.py); return what was done, and what to do."""
+    plan = prepare_reshard(dsn, spec, before, after)
+    with connect(dsn) as conn, conn.transaction():
+        at = write_cut(conn, plan)
+    old = plan.old
+    return [
+        *plan.done,
+        f"wrote resharding cut {at.cut} at {format_lsn(at.lsn or 0)}: the relays of "
+        f"{', '.join(each.slot for each in old)} stop at it once they have delivered "
+        "everything before it",
+        f"start one relay per new shard: cdc-relay stream --shard K/{after} (K from 0 to "
+        f"{after - 1}); they relay what comes after the cut",
+        "once every old relay has stopped (exit 0, 'reached resharding cut' in its log), drop "
+        "the old shards: cdc-relay drop-slot"
+        + (f" --shards {before}" if before > 1 else "")
+        + " --yes",
+    ]
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """A reshard whose new shards exist, its cut not yet written."""
+
+    cut: StartAfterCut
+    old: list[SlotSpec]
+    new: dict[Shard, SlotSpec]
+    done: list[str]
+
+
+def prepare_reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> ReshardPlan:
+    """Check that the ``before`` shards of ``spec`` can be resharded, and create the ``after``
+    new ones; the cut is written next (:func:`write_cut`)."""
     old = [spec] if before == 1 else [spec.sharded(shard) for shard in every_shard(before)]
     new = {shard: spec.sharded(shard) for shard in every_shard(after)}
     lines = []
@@ -701,27 +732,23 @@ def reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> list[str]:
     for shard, each in new.items():
         report = setup(dsn, replace(each, comment=cut.comment(shard)))
         lines += report.done
+    return ReshardPlan(cut, old, new, lines)
+
+
+def write_cut(conn: psycopg.Connection[dict[str, Any]], plan: ReshardPlan) -> StartAfterCut:
+    """Write the cut of ``plan`` in the open transaction of ``conn``: the message, then its
+    position in the new publications' comments. The cut's place among the transactions is
+    this transaction's commit, not the message's LSN: transactions that commit between the
+    two are before the cut (the relays wait for the cut's commit, ARCHITECTURE.md)."""
     # The new slots exist: every transaction that commits from now on is in their streams.
-    message = Cut(cut.cut, tuple(each.slot for each in old))
-    with connect(dsn) as conn, conn.transaction():
-        row = conn.execute(
-            QUERIES["emit_cut"], {"prefix": CUT_PREFIX, "content": message.content()}
-        ).fetchone()
-        at = StartAfterCut(cut.cut, parse_lsn(str((row or {})["lsn"])))
-        for shard, each in new.items():
-            conn.execute(_comment(each.publication, at.comment(shard)))
-    return [
-        *lines,
-        f"wrote resharding cut {cut.cut} at {format_lsn(at.lsn or 0)}: the relays of "
-        f"{', '.join(each.slot for each in old)} stop at it once they have delivered "
-        "everything before it",
-        f"start one relay per new shard: cdc-relay stream --shard K/{after} (K from 0 to "
-        f"{after - 1}); they relay what comes after the cut",
-        "once every old relay has stopped (exit 0, 'reached resharding cut' in its log), drop "
-        "the old shards: cdc-relay drop-slot"
-        + (f" --shards {before}" if before > 1 else "")
-        + " --yes",
-    ]
+    message = Cut(plan.cut.cut, tuple(each.slot for each in plan.old))
+    row = conn.execute(
+        QUERIES["emit_cut"], {"prefix": CUT_PREFIX, "content": message.content()}
+    ).fetchone()
+    at = StartAfterCut(plan.cut.cut, parse_lsn(str((row or {})["lsn"])))
+    for shard, each in plan.new.items():
+        conn.execute(_comment(each.publication, at.comment(shard)))
+    return at
 
 
 def _comment(publication: str, text: str) -> sql.Composed:

@@ -26,7 +26,7 @@ from confluent_kafka import KafkaError
 from cdc_relay import pgoutput
 from cdc_relay.deadletter import DeadLetters
 from cdc_relay.errors import DeliveryError
-from cdc_relay.events import Begin, Commit, Insert, Record, Relation
+from cdc_relay.events import Begin, Commit, Insert, LogicalMessage, Record, Relation
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message
@@ -48,9 +48,13 @@ def event_id(message: Message) -> str:
 
 
 def record_id(record: Record) -> str | None:
-    """The id of the event an insert carries (the first column, ``id``)."""
+    """The id of the event an insert (the first column, ``id``) or an outbox envelope in a
+    message carries."""
     if isinstance(record, Insert) and isinstance(record.values[0], bytes):
         return record.values[0].decode()
+    if isinstance(record, LogicalMessage):
+        envelope = json.loads(record.content)
+        return str(envelope["id"]) if "aggregate_type" in envelope else None
     return None
 
 
@@ -61,13 +65,18 @@ def first_seen(ids: Sequence[str]) -> list[str]:
 
 class Wal:
     """The server's side: captured messages in units of the stream (a transaction, Begin to
-    Commit), and what the relay asked of it and told it."""
+    Commit, or a non-transactional message, which ends at its own LSN), and what the relay
+    asked of it and told it."""
 
     def __init__(self, raw: Sequence[bytes]) -> None:
         self.units: list[tuple[Lsn, list[tuple[bytes, Record]]]] = []  # (end, messages)
         unit: list[tuple[bytes, Record]] = []
         for data in raw:
             record = pgoutput.decode(data)
+            if isinstance(record, LogicalMessage) and not record.transactional:
+                assert not unit
+                self.units.append((record.lsn, [(data, record)]))
+                continue
             unit.append((data, record))
             if isinstance(record, Commit):
                 self.units.append((record.end_lsn, unit))
@@ -86,6 +95,7 @@ class Wal:
         self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
         self.connections: list[Connection] = []
         self.born = time.monotonic()
+        self.timeline = 0  # the server's, as a reconnecting relay reads it (0: not known)
 
     def open(self, dsn: str) -> Connection:
         connection = Connection(self)
@@ -298,6 +308,7 @@ def relay_on(wal: Wal, **settings: Any) -> tuple[StreamRelay, Sink]:
         open_source=wal.open,
         open_sink=open_sink,
         open_dead_letters=Letters,
+        read_timeline=lambda dsn, slot: (wal.timeline, wal.confirmed),
     )
     return relay, sinks[0]
 
