@@ -115,6 +115,9 @@ _RECONNECT_MAX = 10.0
 # what was not confirmed, so this interval bounds the duplicates (events/s x interval).
 _CONFIRM_AFTER = 0.2
 _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
+# The server ending the stream with one error this many times in a row, with no progress in
+# between (about 25 s of backing off), stops the relay: the error is the user's to fix.
+_SAME_ERROR_LIMIT = 8
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -350,6 +353,8 @@ class StreamRelay:
         self._waiting = False  # still before the cut
         self._slot_confirmed: Lsn = 0  # the slot's position at start
         self._timeline = 0  # the server's at start, or since it changed (0: not known)
+        self._last_loss: tuple[str, Lsn] | None = None  # the last lost connection's error, where
+        self._losses = 0  # connections lost in a row with that error at that position
         self._quiet = False  # events may be skipped: waiting for a cut, or replaying
         self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
         self._cut_at: Lsn | None = None  # an old shard's cut, reached: confirmed on stopping
@@ -982,7 +987,7 @@ class StreamRelay:
             self._decode = _pgoutput
             options = {
                 "proto_version": "1",
-                "publication_names": self.settings.publication,
+                "publication_names": pgoutput.publication_names(self.settings.publication),
                 "messages": "true",
             }
         conn = self._open_source(self.settings.dsn)
@@ -1020,14 +1025,28 @@ class StreamRelay:
         return None
 
     def recover(self, exc: ConnectionLost) -> None:
-        """After a lost connection: settle what is in flight, forget the rest, reconnect."""
+        """After a lost connection: settle what is in flight, forget the rest, reconnect. The
+        same error again with no progress between backs off, and stops the relay after
+        _SAME_ERROR_LIMIT attempts when the server itself ended the stream with it."""
         log.warning(str(exc), extra={"action": "disconnected"})
         self._close_conn()
         self._drain(self.settings.shutdown_timeout, confirm=False)
         self.rewinds.note()
+        again = (str(exc), self.tracker.safe_lsn) == self._last_loss
+        self._losses = self._losses + 1 if again else 1
+        self._last_loss = (str(exc), self.tracker.safe_lsn)
+        if exc.server_error and self._losses >= _SAME_ERROR_LIMIT:
+            raise RelayError(
+                f"the server ended the stream {self._losses} times in a row at "
+                f"{format_lsn(self.tracker.safe_lsn)} with the same error, so retrying does not "
+                f"help: {exc}; fix its cause and restart the relay: it resumes after the last "
+                "event Kafka acknowledged"
+            )
         self._restart_decoding()
         if self._eos is not None:
             self.sink.renew()  # abort the open transaction: the replay produces it again
+        if self._losses > 1:
+            self._pause(min(0.5 * 2 ** (self._losses - 2), _RECONNECT_MAX))
         self._reconnect()
 
     def rewind(self) -> None:

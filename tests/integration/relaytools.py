@@ -177,7 +177,7 @@ def pending_inserts(dsn: str, slot: str, publication: str) -> int:
         rows = conn.execute(
             "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
             "'proto_version', '1', 'publication_names', %s)",
-            (slot, publication),
+            (slot, pgoutput.publication_names(publication)),
         ).fetchall()
     return sum(isinstance(pgoutput.decode(bytes(r[0])), Insert) for r in rows)
 

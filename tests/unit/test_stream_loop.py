@@ -25,7 +25,7 @@ from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput
 from cdc_relay.deadletter import DeadLetters
-from cdc_relay.errors import DeliveryError
+from cdc_relay.errors import DeliveryError, RelayError
 from cdc_relay.events import Begin, Commit, Insert, LogicalMessage, Record, Relation
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
@@ -96,6 +96,7 @@ class Wal:
         self.connections: list[Connection] = []
         self.born = time.monotonic()
         self.timeline = 0  # the server's, as a reconnecting relay reads it (0: not known)
+        self.error: str | None = None  # the server ends every stream with it, at the first read
 
     def open(self, dsn: str) -> Connection:
         connection = Connection(self)
@@ -150,6 +151,8 @@ class Connection:
         wal = self.wal
         assert time.monotonic() - wal.born < WATCHDOG, "the loop did not end"
         assert not self.closed
+        if wal.error is not None:
+            raise ConnectionLost(f"replication stream ended: {wal.error}", server_error=True)
         if self.lose_after is not None:
             if self.lose_after == 0:
                 wal.lost_after_commit = self.last_commit
@@ -506,3 +509,29 @@ def test_shutdown_confirms_what_was_acknowledged_and_no_more(
     assert max(wal.flushed()) == wal.before(last[0])
     assert wal.connections[-1].closed
     assert "stopped; 10 events not acknowledged will be sent again on restart" in caplog.text
+
+
+def test_an_error_the_server_ends_every_stream_with_backs_off_then_stops_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The walsender ends every stream with one ERROR (a publication it cannot find, say):
+    the relay reconnected at once, for ever (1,572 times in 5 s). It backs off, then stops."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    pauses: list[float] = []
+    monkeypatch.setattr(relay, "_pause", pauses.append)
+    wal.error = 'ERROR:  publication "outboxpub" does not exist'
+
+    with pytest.raises(RelayError) as failure:
+        relay.stream(wal.tables)
+
+    message = str(failure.value)
+    assert "\n" not in message
+    assert 'publication "outboxpub" does not exist' in message
+    assert "8 times in a row" in message
+    assert len(wal.starts) == 8
+    assert pauses == sorted(pauses)
+    assert pauses[0] > 0
+    assert sum(pauses) > 20
+    assert wal.flushed() == [0] * len(wal.flushed())
+
