@@ -534,4 +534,3 @@ def test_an_error_the_server_ends_every_stream_with_backs_off_then_stops_in_one_
     assert pauses[0] > 0
     assert sum(pauses) > 20
     assert wal.flushed() == [0] * len(wal.flushed())
-
