@@ -675,6 +675,10 @@ class StreamRelay:
                 extra={"action": "cut_passed", "slot": slot, "lsn": format_lsn(record.lsn)},
             )
         elif not self._waiting and slot in cut.slots:
+            # Everything before the cut answered first: a refusal among it rewinds (or stops
+            # the relay with its one line) instead of a stop that says all went out.
+            self._maybe_commit(force=True)
+            self.pipeline.settle()
             log.info(
                 "reached resharding cut %s at %s: every event of slot %s before it goes to "
                 "Kafka and is confirmed, the new shards relay the rest; stopping (drop this "

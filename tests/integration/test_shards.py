@@ -5,6 +5,7 @@ resharding")."""
 from __future__ import annotations
 
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -15,18 +16,23 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 from relaytools import (
     Load,
     RelayProcess,
+    Writer,
     Written,
     check,
     consume,
+    create_topics,
     relay_env,
+    set_topic_config,
     wait_until,
 )
 
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.shards import Shard, hashtext
+from cdc_relay.slot import SlotSpec, prepare_reshard, setup, write_cut
 
 pytestmark = pytest.mark.integration
 
@@ -355,3 +361,60 @@ def test_shard_mistakes_are_one_line_errors(outbox_db: str, names: Any) -> None:
     assert "this reshard is done" in again and "do not drop them" in again
     assert cli("drop-slot", *base, "--shards", "2", "--yes").returncode == 0
     assert cli("drop-slot", *base, "--shards", "4", "--yes").returncode == 0
+
+
+def test_a_transaction_committed_between_the_cut_message_and_its_commit_is_before_the_cut(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """The cut's place among the transactions is its commit. Held open after its message (as
+    a slow COMMENT or a network pause would), the cut transaction has B's event and A's event
+    a2 commit before it; a2 is too large for its topic, so the old relay delivers B's, is
+    refused a2 and stops with exit 1. Its slot is then confirmed past the cut message (B's
+    transaction) but not past the cut's commit: the new shards must wait, or A's a3 after the
+    cut overtakes a2 (before: both passed the cut, and Kafka held a1, a3 and never a2)."""
+    prefix = names.topic_prefix
+    big = f"{prefix}.big"
+    create_topics(kafka_service.bootstrap, {big: {"max.message.bytes": "2000"}})
+    spec = SlotSpec(slot=names.slot, publication=names.publication, table="outbox_events")
+    setup(outbox_db, spec)
+    old = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), "old")
+    new = [shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2") for k in range(2)]
+    writer = Writer(outbox_db)
+    try:
+        old.start()
+        writer.transaction([("big", "A", {"n": 1})])
+        plan = prepare_reshard(outbox_db, spec, 1, 2)
+        for relay in new:
+            relay.start()
+        with psycopg.connect(outbox_db, row_factory=dict_row) as cut:
+            write_cut(cut, plan)
+            writer.transaction([("small", "B", {"n": 1})])
+            # Random hex: the producer compresses, and "x" * 5000 would fit after all.
+            writer.transaction([("big", "A", {"n": 2, "pad": secrets.token_hex(4000)})])
+            cut.commit()
+        writer.transaction([("big", "A", {"n": 3})])
+        assert old.wait(90) == 1, old.log()[-2000:]
+        assert "Kafka refused event" in old.log()
+        wait_until(
+            lambda: all("waiting for the relays of" in relay.log() for relay in new),
+            60,
+            "the new relays to wait at the cut",
+        )
+        time.sleep(3)
+        assert all("passed resharding cut" not in relay.log() for relay in new)
+        set_topic_config(kafka_service.bootstrap, big, "max.message.bytes", "1000000")
+        old.start()
+        assert old.wait(90) == 0, old.log()[-2000:]
+        assert "reached resharding cut" in old.log()
+        received = consume(kafka_service.bootstrap, prefix, expected=4, timeout=90)
+        assert [relay.stop() for relay in new] == [0, 0]
+    finally:
+        writer.close()
+        for relay in [old, *new]:
+            relay.close()
+    verdict = check(writer.written, received, prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
+    assert verdict.out_of_order == []
+    assert all("passed resharding cut" in relay.log() for relay in new)
