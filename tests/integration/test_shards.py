@@ -418,3 +418,65 @@ def test_a_transaction_committed_between_the_cut_message_and_its_commit_is_befor
     assert verdict.duplicates == 0
     assert verdict.out_of_order == []
     assert all("passed resharding cut" in relay.log() for relay in new)
+
+
+@pytest.mark.parametrize("takeover", ["past the cut", "before the cut"])
+def test_a_standby_of_a_new_shard_taking_over_relays_everything(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, takeover: str
+) -> None:
+    """A standby of new shard 0/2, started before the cut was written, decided at start that
+    its slot had not passed the cut. ``past the cut``: the active relay passes the cut,
+    relays and confirms, and is killed; the standby takes over a slot past the cut, which it
+    never sees again: deciding from the position read before it held the slot, it would skip
+    every event for ever. ``before the cut``: the active relay is killed while it waits at
+    the cut for the old relay, which is frozen; the standby waits there in turn."""
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    assert cli("setup-slot", *base).returncode == 0
+    old = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), "old")
+    writer = Writer(outbox_db)
+    active = shard_relay(tmp_path, outbox_db, kafka_service, names, "0/2")
+    standby = shard_relay(tmp_path, outbox_db, kafka_service, names, "0/2", standby="true")
+    standby.name = "standby"
+    other = shard_relay(tmp_path, outbox_db, kafka_service, names, "1/2")
+    try:
+        old.start()
+        for i in range(10):
+            writer.transaction([("order", f"a{i}", {"before": i})])
+        plan = prepare_reshard(
+            outbox_db, SlotSpec(names.slot, names.publication, "outbox_events"), 1, 2
+        )
+        active.start()
+        wait_until(lambda: "starts after resharding cut" in active.log(), 60, "the active relay")
+        standby.start()
+        other.start()
+        wait_until(lambda: "standing by" in standby.log(), 60, "the standby to stand by")
+        if takeover == "before the cut":
+            old.signal(signal.SIGSTOP)
+        with psycopg.connect(outbox_db, row_factory=dict_row) as cut:
+            write_cut(cut, plan)
+        for i in range(10):
+            writer.transaction([("order", f"a{i}", {"after": i})])
+        if takeover == "past the cut":
+            wait_until(lambda: "passed resharding cut" in active.log(), 60, "the cut passed")
+            time.sleep(2)  # it relays and confirms past the cut
+        else:
+            wait_until(lambda: "waiting for the relays of" in active.log(), 60, "the cut")
+        active.kill()
+        wait_until(lambda: "streaming slot" in standby.log(), 60, "the standby to take over")
+        if takeover == "before the cut":
+            old.signal(signal.SIGCONT)
+        for i in range(10):
+            writer.transaction([("order", f"a{i}", {"later": i})])
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=30, timeout=90)
+        assert old.wait(60) == 0
+        assert standby.stop() == 0
+        assert other.stop() == 0
+    finally:
+        writer.close()
+        for relay in [old, active, standby, other]:
+            relay.close()
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert "passed resharding cut" in standby.log() or takeover == "past the cut"
