@@ -20,7 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from capture import messages
-from test_stream_loop import Wal, backlog, event_id
+from test_stream_loop import WATCHDOG, Wal, backlog, event_id
 
 from cdc_relay import stream
 from cdc_relay.events import Begin
@@ -91,6 +91,10 @@ class Transactions:
         self.aborted: list[list[str]] = []  # the events of each transaction aborted
         self.connected = True
         self.broken = False
+        # Kafka refuses the checkpoint record of the next transactions holding one of these
+        # events alone: the commit fails and the transaction is aborted.
+        self.abort_alone: list[str] = []
+        self.born = time.monotonic()
 
     @property
     def events(self) -> int:
@@ -115,6 +119,10 @@ class Transactions:
             raise TransactionAborted("the relay died")
         if not self.open:
             return
+        if [event_id(message) for message, _ in self.open][:1] == self.abort_alone[:1]:
+            self.abort_alone.pop(0)
+            self.renew()
+            raise TransactionAborted("Kafka refused the checkpoint record")
         kafka = self.kafka
         kafka.visible.extend(message for message, _ in self.open)
         kafka.transactions.append(len(self.open))
@@ -131,10 +139,10 @@ class Transactions:
         raise Killed
 
     def poll(self, timeout: float) -> None:
-        pass
+        assert time.monotonic() - self.born < WATCHDOG, "the loop waits for ever"
 
     def settle(self, timeout: float) -> None:
-        pass
+        assert time.monotonic() - self.born < WATCHDOG, "the loop waits for ever"
 
     def in_flight(self) -> int:
         return 0  # appended at once: what is open waits for its commit, not for Kafka
@@ -360,3 +368,22 @@ def test_a_checkpoint_that_reaches_only_the_message_at_a_commit_position_replays
     assert kafka.ids() == ["m-at-commit"]
     run_to_the_end(wal, kafka)
     assert kafka.ids() == wal.event_ids
+
+
+def test_an_event_sent_alone_whose_kafka_transaction_aborts_is_replayed_not_waited_for() -> None:
+    """A suspect is sent alone in a Kafka transaction of its own; Kafka acknowledged it, then
+    refused the transaction's checkpoint record, and the commit aborted: no report will ever
+    come for the event. The loop waited for one for ever, looking healthy; it replays."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka)
+    suspect = wal.event_ids[42]
+    relay.rewinds.suspects.add(suspect)
+    sink.abort_alone = [suspect]
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert sink.aborted == [[suspect]]
+    assert kafka.ids() == wal.event_ids
+    assert len(wal.starts) == 2
