@@ -1034,7 +1034,7 @@ class StreamRelay:
         _SAME_ERROR_LIMIT attempts when the server itself ended the stream with it."""
         log.warning(str(exc), extra={"action": "disconnected"})
         self._close_conn()
-        self._drain(self.settings.shutdown_timeout, confirm=False)
+        self.sink.poll(0)  # reports already here count: fewer events to replay
         self.rewinds.note()
         again = (str(exc), self.tracker.safe_lsn) == self._last_loss
         self._losses = self._losses + 1 if again else 1
@@ -1047,8 +1047,12 @@ class StreamRelay:
                 "event Kafka acknowledged"
             )
         self._restart_decoding()
-        if self._eos is not None:
-            self.sink.renew()  # abort the open transaction: the replay produces it again
+        # What the producer holds is dropped, not drained: the slot may be another relay's by
+        # now (a standby took it while this one was cut off), and a queue delivered whenever
+        # Kafka comes back would land after that relay's newer events of the same aggregates
+        # (e1, e2, e1). The replay sends it again while this relay holds the slot. Exactly
+        # once: the open transaction is aborted.
+        self.sink.renew()
         if self._losses > 1:
             self._pause(min(0.5 * 2 ** (self._losses - 2), _RECONNECT_MAX))
         self._reconnect()

@@ -25,7 +25,7 @@ from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput
 from cdc_relay.deadletter import DeadLetters
-from cdc_relay.errors import DeliveryError, RelayError
+from cdc_relay.errors import DeliveryError, RelayError, SlotInUseError
 from cdc_relay.events import Begin, Commit, Insert, LogicalMessage, Record, Relation
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
@@ -97,6 +97,9 @@ class Wal:
         self.born = time.monotonic()
         self.timeline = 0  # the server's, as a reconnecting relay reads it (0: not known)
         self.error: str | None = None  # the server ends every stream with it, at the first read
+        self.taken = 0  # another relay holds the slot for so many attempts to start
+        self.on_taken: Callable[[], object] = lambda: None  # at each of them
+        self.on_lost: Callable[[], object] = lambda: None  # when the test cuts a connection
 
     def open(self, dsn: str) -> Connection:
         connection = Connection(self)
@@ -127,6 +130,10 @@ class Connection:
 
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         wal = self.wal
+        if wal.taken:
+            wal.taken -= 1
+            wal.on_taken()
+            raise SlotInUseError("replication slot 'test' is in use by another process")
         wal.starts.append(start_lsn)
         start = max(start_lsn, wal.confirmed)
         self.lose_after, wal.lose_after = wal.lose_after, None
@@ -156,6 +163,7 @@ class Connection:
         if self.lose_after is not None:
             if self.lose_after == 0:
                 wal.lost_after_commit = self.last_commit
+                wal.on_lost()
                 raise ConnectionLost("replication connection lost: the test cut it")
             self.lose_after -= 1
         if self.queue:
@@ -534,3 +542,38 @@ def test_an_error_the_server_ends_every_stream_with_backs_off_then_stops_in_one_
     assert pauses[0] > 0
     assert sum(pauses) > 20
     assert wal.flushed() == [0] * len(wal.flushed())
+
+
+def test_a_relay_cut_off_from_kafka_and_its_slot_delivers_nothing_while_another_holds_it() -> None:
+    """Kafka is away and the replication connection is lost; a standby takes the slot while
+    this relay waits (now a standby itself). Its producer's queue, delivered whenever Kafka
+    came back, would land after the new holder's newer events of the same aggregates (e1,
+    e2, e1): it is dropped, and the replay sends it again once this relay holds the slot."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, standby=True)
+    sink.hold_all = True  # Kafka away: nothing is acknowledged
+    wal.lose_after = 200
+    acked_at_loss: list[int] = []
+
+    def lost() -> None:
+        wal.taken = 3  # another relay holds the slot for a while
+        acked_at_loss.append(len(sink.acked))
+
+    def taken() -> None:
+        sink.hold_all = False  # Kafka is back while the other relay holds the slot
+        sink.poll(0)
+        acked_while_taken.append(len(sink.acked))
+
+    acked_while_taken: list[int] = []
+    wal.on_lost = lost
+    wal.on_taken = taken
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    # Nothing of the old queue was delivered while the other relay held the slot: every
+    # acknowledgement came from the replay, once this relay held the slot again.
+    assert acked_at_loss == [0]
+    assert acked_while_taken == [0, 0, 0]
+    assert len(wal.starts) == 2
+    assert acked_ids(sink) == wal.event_ids
