@@ -577,3 +577,26 @@ def test_a_relay_cut_off_from_kafka_and_its_slot_delivers_nothing_while_another_
     assert acked_while_taken == [0, 0, 0]
     assert len(wal.starts) == 2
     assert acked_ids(sink) == wal.event_ids
+
+
+def test_reconnected_to_a_promoted_server_the_stream_starts_from_the_slot_there() -> None:
+    """The connection is lost and the relay reconnects to a standby promoted since (timeline
+    2), whose copy of the failover slot lags: past it, the WAL is the new primary's own. The
+    relay asked to start from its own position and the transactions in between were never
+    sent; it starts from the slot's."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    wal.lose_after = 300
+    lagging = wal.units[10][0]
+
+    def promoted() -> None:
+        wal.timeline = 2
+        wal.confirmed = lagging
+
+    wal.on_lost = promoted
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    assert wal.starts[1] == lagging
+    assert first_seen(acked_ids(sink)) == wal.event_ids
