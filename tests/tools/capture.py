@@ -2,6 +2,7 @@
 
     python tests/tools/capture.py "host=... dbname=..." tests/unit/data
     python tests/tools/capture.py "host=... dbname=..." tests/unit/data --positions
+    python tests/tools/capture.py "host=... dbname=..." tests/unit/data --cut
 
 Runs a small workload, streams it through two temporary slots (pgoutput with
 ``messages 'true'``, and wal2json format-version 2 with the options the relay uses) and
@@ -98,6 +99,30 @@ POSITION_STEPS = [
 ]
 
 
+# A resharding cut as reshard writes it (slot.write_cut: a transactional message of prefix
+# cdc-relay-cut naming the old slots, alone in its transaction), between outbox transactions.
+CUT_MESSAGE = '{"cut": "6f1c1b7e-0c00-4c43-9d0e-00000000c001", "slots": ["old"]}'
+
+
+# Two events per transaction, of aggregates o-0 and o-1, ids ending in the series' numbers.
+_CUT_INSERT = (
+    "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+    "SELECT ('6f1c1b7e-2a51-4c43-9d0e-' || lpad(i::text, 12, '0'))::uuid, 'order', "
+    """'o-' || (i %% 2), 'order.created', jsonb_build_object('n', i) """
+    "FROM generate_series(%s, %s + 1) i"
+)
+
+
+CUT_STEPS = [
+    *[("before the cut", _CUT_INSERT % (first, first)) for first in (1, 3, 5)],
+    (
+        "the cut",
+        f"BEGIN; SELECT pg_logical_emit_message(true, 'cdc-relay-cut', '{CUT_MESSAGE}'); COMMIT",
+    ),
+    *[("after the cut", _CUT_INSERT % (first, first)) for first in (101, 103, 105)],
+]
+
+
 SLOTS = {
     "pgoutput": (
         "capture_pgoutput",
@@ -172,5 +197,7 @@ def capture(
 if __name__ == "__main__":
     if sys.argv[3:] == ["--positions"]:
         main(sys.argv[1], sys.argv[2], POSITION_STEPS, "-positions")
+    elif sys.argv[3:] == ["--cut"]:
+        main(sys.argv[1], sys.argv[2], CUT_STEPS, "-cut")
     else:
         main(sys.argv[1], sys.argv[2])
