@@ -158,6 +158,14 @@ SELECT obj_description(p.oid, 'pg_publication') AS comment
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
+-- slots_named_after --
+-- The replication slots whose names are the given one and an underscore, then anything: the
+-- shards' slots of a base name (`base_KofN`), of every shard count
+SELECT slot_name::text AS slot_name
+FROM pg_replication_slots
+WHERE left(slot_name::text, length(%(base)s) + 1) = %(base)s || '_'
+ORDER BY 1
+
 -- bytea_types --
 -- bytea and every domain over it, however deep: their values are sent as bytea's text
 WITH RECURSIVE b(oid) AS (
