@@ -28,6 +28,7 @@ from relaytools import (
     relay_env,
     set_topic_config,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.lsn import parse as parse_lsn
@@ -153,6 +154,7 @@ def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
     assert f"exists: slot {names.slot}_1of2" in again.stdout
 
     prefixes = [f"{names.topic_prefix}_s{k}" for k in range(2)]
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     relays = [
         shard_relay(
             tmp_path,
@@ -161,6 +163,7 @@ def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
             names,
             f"{k}/2",
             topic_template=f"{prefixes[k]}.{{aggregate_type}}",
+            messages="true",
         ).start()
         for k in range(2)
     ]
@@ -273,10 +276,15 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
 ) -> None:
     base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
     assert cli("setup-slot", *base, "--shards", "2").returncode == 0
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     old = [
-        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2").start() for k in range(2)
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2", messages="true").start()
+        for k in range(2)
     ]
-    new = [shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3") for k in range(3)]
+    new = [
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3", messages="true")
+        for k in range(3)
+    ]
     try:
         load = Load(outbox_db, writers=3, pause=0.001, aggregates=40).start()
         emitted = emit(outbox_db, [("invoice", f"before{i}") for i in range(30)])
