@@ -5,7 +5,7 @@ Error classes, each made real: a batch refused for one oversized event (per-topi
 auto-creation off, a topic the authorizer denies; and the delivery timeout the relays refuse
 to run with. For each: ``stream`` stopping at the culprit (halt), ``stream
 --dead-letter-topic``, and ``poll``. What each relay must do is in README ("What lands on
-Kafka", "What the poller guarantees") and DESIGN.md (invariant 4, never skip silently).
+Kafka", "What the poller guarantees") and ARCHITECTURE.md (invariant 4, never skip silently).
 
 The module ends by printing the matrix (error class x mode x relay -> lost, reordered,
 duplicates, outcome) and writing it to pytest's temporary directory.
