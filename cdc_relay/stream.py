@@ -63,6 +63,7 @@ from cdc_relay.exactly_once import (
 )
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.messages import Messages, check_writers, genuine_cut, unrelayed
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
     CONNECTED,
@@ -135,6 +136,7 @@ class StreamSettings(RelaySettings):
     ignore_other_tables: bool = False
     shard: Shard | None = None  # slot and publication are then the shard's (shards.py)
     exactly_once: ExactlyOnce | None = None  # Kafka transactions with a checkpoint
+    messages: Messages = field(default_factory=Messages)  # --messages and its writers
 
 
 @dataclass
@@ -587,6 +589,10 @@ class StreamRelay:
             if record.prefix == CUT_PREFIX:
                 self._cut(record)
             return  # another application's message
+        if not self.settings.messages.relay:  # no event without --messages (messages.py)
+            if not self._waiting:  # before a new shard's cut, the old shards' to act on
+                unrelayed(record, self.settings.messages, self.settings.shard)
+            return
         shard = self.settings.shard
         if record.transactional:
             if self._transaction is None or self._begin is None:
@@ -659,6 +665,8 @@ class StreamRelay:
         # the cut ends at or before the commit record's start, so an old slot confirmed that
         # far has delivered all of them.
         commit = self._begin.final_lsn
+        if not genuine_cut(self.settings, cut, record.lsn, self._tables, self._after_cut):
+            return
         slot = self.settings.slot
         if self._waiting and self._after_cut is not None and cut.cut == self._after_cut.cut:
             # Nothing after the cut goes out before the old shards have delivered everything
@@ -803,6 +811,7 @@ class StreamRelay:
         settings = self.settings
         with connect(settings.dsn) as conn:
             check_encoding(conn.execute(QUERIES["server"]).fetchone() or {})
+            check_writers(conn, settings.messages)
             slot = conn.execute(QUERIES["slot"], {"slot": settings.slot}).fetchone()
             # The server's timeline: what a missing slot means, and the exactly-once
             # checkpoints' (NULL on a standby).

@@ -25,10 +25,12 @@ from confluent_kafka.admin import (
     ConfigResource,
     NewTopic,
 )
+from psycopg.rows import dict_row
 
 from cdc_relay import pgoutput, schema
 from cdc_relay.events import Insert
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.messages import EmitGrants
 from cdc_relay.outbox import write_event
 from cdc_relay.slot import SlotSpec, setup
 
@@ -123,6 +125,14 @@ def setup_slot(
         slot=slot or names.slot, publication=names.publication, table=table, plugin=plugin
     )
     setup(dsn, spec)
+
+
+def writers_only(dsn: str, *writers: str) -> None:
+    """Leave pg_logical_emit_message to ``writers`` and superusers (the tests' role) in the
+    database of ``dsn``, as stream --messages requires: what its refusal says to run."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        for statement in EmitGrants.read(conn, writers).statements():
+            conn.execute(statement.encode())
 
 
 def handover(dsn: str, bootstrap: str, names: Any) -> subprocess.CompletedProcess[str]:

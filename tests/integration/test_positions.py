@@ -15,7 +15,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from relaytools import RelayProcess, Written, check, consume, relay_env, setup_slot, wait_slot
+from relaytools import (
+    RelayProcess,
+    Written,
+    check,
+    consume,
+    relay_env,
+    setup_slot,
+    wait_slot,
+    writers_only,
+)
 
 from cdc_relay import pgoutput
 from cdc_relay.events import Begin, LogicalMessage
@@ -113,6 +122,7 @@ def test_a_kill_inside_a_transaction_sharing_its_position_with_a_message_loses_n
     env = relay_env(outbox_db, kafka_service.bootstrap, names, exactly_once="1")
     env["CDC_RELAY_CHECKPOINT_TOPIC"] = topic
     env["CDC_RELAY_MESSAGES"] = "1"
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     relay = RelayProcess(tmp_path, env)
     try:
         relay.start()

@@ -28,6 +28,7 @@ from relaytools import (
     relay_env,
     set_topic_config,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.lsn import parse as parse_lsn
@@ -153,6 +154,7 @@ def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
     assert f"exists: slot {names.slot}_1of2" in again.stdout
 
     prefixes = [f"{names.topic_prefix}_s{k}" for k in range(2)]
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     relays = [
         shard_relay(
             tmp_path,
@@ -161,6 +163,7 @@ def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
             names,
             f"{k}/2",
             topic_template=f"{prefixes[k]}.{{aggregate_type}}",
+            messages="true",
         ).start()
         for k in range(2)
     ]
@@ -273,10 +276,15 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
 ) -> None:
     base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
     assert cli("setup-slot", *base, "--shards", "2").returncode == 0
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     old = [
-        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2").start() for k in range(2)
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2", messages="true").start()
+        for k in range(2)
     ]
-    new = [shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3") for k in range(3)]
+    new = [
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3", messages="true")
+        for k in range(3)
+    ]
     try:
         load = Load(outbox_db, writers=3, pause=0.001, aggregates=40).start()
         emitted = emit(outbox_db, [("invoice", f"before{i}") for i in range(30)])
@@ -335,6 +343,36 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
     assert dropped.returncode == 0, dropped.stderr
     assert f"{names.slot}_1of2" in dropped.stdout
     wait_until(lambda: cli("status", *base, "--shards", "3").returncode == 0, 30, "the new shards")
+
+
+def test_reshard_from_a_generation_a_reshard_has_left_is_refused(
+    outbox_db: str, names: Any
+) -> None:
+    """Once the relays stream the shards of a reshard, a cut naming the slots they left would
+    stop none of them: both generations would relay what follows it."""
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    assert cli("setup-slot", *base).returncode == 0
+    first = cli("reshard", *base, "--from", "1", "--to", "2")
+    assert first.returncode == 0, first.stderr
+    # The slot without shards is still there (dropped once its relay stopped at the cut).
+    again = cli("reshard", *base, "--from", "1", "--to", "3")
+    output = (again.stdout + again.stderr).strip()
+    assert again.returncode == 1, output
+    assert len(output.splitlines()) == 1, output
+    assert f"{names.slot}_0of2" in output and "--from 2" in output, output
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        made = conn.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s",
+            [f"{names.slot}_%of3"],
+        ).fetchone()
+    assert made == (0,)
+    # From the generation the relays stream, it goes on; back to one shard, that one is the
+    # generation --from 1 names from then on, not the slot without shards.
+    assert cli("reshard", *base, "--from", "2", "--to", "1").returncode == 0
+    last = cli("reshard", *base, "--from", "1", "--to", "3")
+    assert last.returncode == 0, last.stderr
+    assert f"the relays of {names.slot}_0of1 stop at it" in last.stdout, last.stdout
+    assert "drop-slot --shards 1 --yes" in last.stdout, last.stdout
 
 
 def test_shard_mistakes_are_one_line_errors(outbox_db: str, names: Any) -> None:

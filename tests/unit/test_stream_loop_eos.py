@@ -33,6 +33,7 @@ from cdc_relay.exactly_once import (
     Unit,
 )
 from cdc_relay.lsn import Lsn
+from cdc_relay.messages import Messages
 from cdc_relay.routing import Message
 from cdc_relay.slot import timeline_of
 from cdc_relay.stages import ReadTimeline
@@ -185,6 +186,9 @@ def eos_relay(
             shutdown_timeout=0.05,
             progress_interval=3600.0,
             exactly_once=ExactlyOnce("test", interval=3600.0, max_events=max_events),
+            # the captures hold outbox messages: relayed as with --messages (whose check of
+            # who may emit them is the database's, not the loop's)
+            messages=Messages(relay=True),
         ),
         open_source=wal.open,
         open_transactions=open_transactions,
