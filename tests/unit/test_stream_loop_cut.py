@@ -9,15 +9,17 @@ how far the old slots are confirmed) come from ``Database``.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
 
+import psycopg
 import pytest
-from capture import messages
+from capture import messages as captured
 from test_stream_loop import Sink, Wal, acked_ids, first_seen, record_id, relay_on
 
-from cdc_relay import stream
+from cdc_relay import messages, stream
 from cdc_relay.events import LogicalMessage
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.queries import QUERIES
@@ -40,26 +42,36 @@ class Rows:
 
 class Database:
     """What the relay's plain connections read: the shard publication's comment (reshard's
-    note of the cut) and how far the old slots are confirmed."""
+    note of the cut, which also tells a genuine cut from a forged one) and how far the old
+    slots are confirmed."""
 
     def __init__(self, cut: Cut, at: Lsn, old_confirmed: Lsn) -> None:
         self.comment = StartAfterCut(cut.cut, at).comment(SHARD)
         self.old_confirmed = old_confirmed
 
     def execute(self, query: str, params: dict[str, Any] | None = None) -> Rows:
-        if query == QUERIES["publication_comment"]:
+        if query in (QUERIES["publication_comment"], QUERIES["cut_comments"]):
             return Rows([{"comment": self.comment}])
         if query == QUERIES["slots_confirmed"]:
             return Rows([{"slot_name": "old", "confirmed": format_lsn(self.old_confirmed)}])
         raise AssertionError(f"unexpected query: {query}")
 
     @contextmanager
-    def connect(self, dsn: str) -> Iterator[Database]:
+    def connect(self, dsn: str, **options: Any) -> Iterator[Database]:
         yield self
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The relay's plain connections reach this database (stream's, and messages.py's
+        check of a cut)."""
+        monkeypatch.setattr(stream, "connect", self.connect)
+        fake = types.SimpleNamespace(
+            connect=self.connect, OperationalError=psycopg.OperationalError
+        )
+        monkeypatch.setattr(messages, "psycopg", fake)
 
 
 def cut_wal() -> tuple[Wal, Cut, LogicalMessage]:
-    wal = Wal(messages("pgoutput-cut"))
+    wal = Wal(captured("pgoutput-cut"))
     message = next(
         r
         for _, unit in wal.units
@@ -94,7 +106,7 @@ def test_a_new_shard_relays_what_comes_after_the_cut_and_nothing_before_it(
     the three transactions before the cut and relays the three after it."""
     wal, cut, message = cut_wal()
     database = Database(cut, message.lsn, old_confirmed=wal.units[-1][0])
-    monkeypatch.setattr(stream, "connect", database.connect)
+    database.install(monkeypatch)
     relay, sink = new_shard(wal, database)
     _, after = ids_around_the_cut(wal, message.lsn)
     wal.on_idle = lambda: set(acked_ids(sink)) >= set(after) and relay.request_stop()
@@ -118,7 +130,7 @@ def test_a_new_shard_reconnected_to_a_promoted_server_behind_the_cut_skips_what_
     them twice, and an aggregate's events out of order (a3, a101, a3)."""
     wal, cut, message = cut_wal()
     database = Database(cut, message.lsn, old_confirmed=wal.units[-1][0])
-    monkeypatch.setattr(stream, "connect", database.connect)
+    database.install(monkeypatch)
     relay, sink = new_shard(wal, database)
     before, after = ids_around_the_cut(wal, message.lsn)
     lagging = wal.units[0][0]  # the copy: after the first transaction, before the cut
