@@ -148,7 +148,9 @@ class ReplicationConnection:
                 )
             if sqlstate == b"55000":  # object_not_in_prerequisite_state: invalidated
                 raise PreflightError(self._unusable(slot, message))
-            raise ConnectionLost(f"START_REPLICATION failed: {message}")
+            raise ConnectionLost(
+                f"START_REPLICATION failed: {message}", server_error=result is not None
+            )
 
     def _unusable(self, slot: str, message: str) -> str:
         """Why the server refused to stream ``slot`` (SQLSTATE 55000), in one line: read from

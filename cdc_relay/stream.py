@@ -1056,6 +1056,23 @@ class StreamRelay:
         self._close_conn()
         self.sink.poll(0)  # reports already here count: fewer events to replay
         self.rewinds.note()
+        self._count_loss(exc)
+        self._restart_decoding()
+        # What the producer holds is dropped, not drained: the slot may be another relay's by
+        # now (a standby took it while this one was cut off), and a queue delivered whenever
+        # Kafka comes back would land after that relay's newer events of the same aggregates
+        # (e1, e2, e1). The replay sends it again while this relay holds the slot. Exactly
+        # once: the open transaction is aborted.
+        self.sink.renew()
+        if self._losses > 1:
+            self._pause(min(0.5 * 2 ** (self._losses - 2), _RECONNECT_MAX))
+        self._reconnect()
+
+    def _count_loss(self, exc: ConnectionLost) -> None:
+        """Count ``exc`` toward the stop: the same error again within _SAME_ERROR_WITHIN
+        seconds, with no progress between; the relay stops after _SAME_ERROR_LIMIT of them
+        when the server itself answered with the error (a connection that fails is waited
+        out: a restart, a failover)."""
         now = time.monotonic()
         again = (str(exc), self.tracker.safe_lsn) == self._last_loss[:2] and (
             now - self._last_loss[2] < _SAME_ERROR_WITHIN
@@ -1069,16 +1086,6 @@ class StreamRelay:
                 f"help: {exc}; fix its cause and restart the relay: it resumes after the last "
                 "event Kafka acknowledged"
             )
-        self._restart_decoding()
-        # What the producer holds is dropped, not drained: the slot may be another relay's by
-        # now (a standby took it while this one was cut off), and a queue delivered whenever
-        # Kafka comes back would land after that relay's newer events of the same aggregates
-        # (e1, e2, e1). The replay sends it again while this relay holds the slot. Exactly
-        # once: the open transaction is aborted.
-        self.sink.renew()
-        if self._losses > 1:
-            self._pause(min(0.5 * 2 ** (self._losses - 2), _RECONNECT_MAX))
-        self._reconnect()
 
     def rewind(self) -> None:
         """Kafka refused events: drop what the producer holds (the gapless guarantee let
@@ -1137,6 +1144,8 @@ class StreamRelay:
                 raise  # the slot is gone or unusable: retrying would not bring it back
             except (ConnectionLost, RelayError, psycopg.OperationalError) as exc:
                 self._close_conn()
+                if isinstance(exc, ConnectionLost):
+                    self._count_loss(exc)  # START_REPLICATION refused the same way each time
                 log.warning(
                     "reconnect failed, retrying in %.1fs: %s",
                     delay,

@@ -98,6 +98,7 @@ class Wal:
         self.timeline = 0  # the server's, as a reconnecting relay reads it (0: not known)
         self.error: str | None = None  # the server ends every stream with it, at the first read
         self.taken = 0  # another relay holds the slot for so many attempts to start
+        self.refuse_start: str | None = None  # the server refuses every start after the first
         self.on_taken: Callable[[], object] = lambda: None  # at each of them
         self.on_lost: Callable[[], object] = lambda: None  # when the test cuts a connection
 
@@ -130,6 +131,8 @@ class Connection:
 
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         wal = self.wal
+        if wal.refuse_start is not None and wal.starts:
+            raise ConnectionLost(f"START_REPLICATION failed: {wal.refuse_start}", True)
         if wal.taken:
             wal.taken -= 1
             wal.on_taken()
@@ -600,3 +603,21 @@ def test_reconnected_to_a_promoted_server_the_stream_starts_from_the_slot_there(
 
     assert wal.starts[1] == lagging
     assert first_seen(acked_ids(sink)) == wal.event_ids
+
+
+def test_a_start_the_server_refuses_the_same_way_every_time_stops_the_relay_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reconnecting, START_REPLICATION is refused with one error each time (the role lost
+    REPLICATION, say): retried with backoff, then a stop naming it, not warnings for ever."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    monkeypatch.setattr(relay, "_pause", lambda seconds: None)
+    wal.lose_after = 50
+    wal.refuse_start = "ERROR:  permission denied to start WAL sender"
+
+    with pytest.raises(RelayError) as failure:
+        relay.stream(wal.tables)
+
+    assert "8 times in a row" in str(failure.value)
+    assert "permission denied to start WAL sender" in str(failure.value)
