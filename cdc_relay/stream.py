@@ -1039,6 +1039,17 @@ class StreamRelay:
                         exc,
                         extra={"action": "standby", "slot": self.settings.slot},
                     )
+            except ConnectionLost as exc:
+                # Standing by through a failover: the server away for a moment is no reason
+                # to give up (a refusal of its own counts toward the stop, as on reconnects).
+                if not (self.settings.standby and self._standing_by):
+                    raise
+                self._count_loss(exc)
+                log.warning(
+                    "standing by: %s; trying again",
+                    exc,
+                    extra={"action": "standby_unreachable", "slot": self.settings.slot},
+                )
             else:
                 self._standing_by = False
                 return conn

@@ -99,6 +99,7 @@ class Wal:
         self.error: str | None = None  # the server ends every stream with it, at the first read
         self.taken = 0  # another relay holds the slot for so many attempts to start
         self.refuse_start: str | None = None  # the server refuses every start after the first
+        self.unreachable = 0  # attempts to start refused for want of a server, once not taken
         self.on_taken: Callable[[], object] = lambda: None  # at each of them
         self.on_lost: Callable[[], object] = lambda: None  # when the test cuts a connection
 
@@ -133,6 +134,9 @@ class Connection:
         wal = self.wal
         if wal.refuse_start is not None and wal.starts:
             raise ConnectionLost(f"START_REPLICATION failed: {wal.refuse_start}", True)
+        if wal.unreachable and not wal.taken:
+            wal.unreachable -= 1
+            raise ConnectionLost("cannot connect to PostgreSQL: connection refused; check --dsn")
         if wal.taken:
             wal.taken -= 1
             wal.on_taken()
@@ -621,3 +625,18 @@ def test_a_start_the_server_refuses_the_same_way_every_time_stops_the_relay_in_o
 
     assert "8 times in a row" in str(failure.value)
     assert "permission denied to start WAL sender" in str(failure.value)
+
+
+def test_a_standby_waits_through_the_server_being_away_and_takes_over() -> None:
+    """A standby waiting for the slot, when the primary goes away (a failover): it exited at
+    the first connection refused; it waits on and takes over once the server is back."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, standby=True)
+    wal.taken = 2
+    wal.unreachable = 3
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    assert wal.unreachable == 0
+    assert first_seen(acked_ids(sink)) == wal.event_ids
