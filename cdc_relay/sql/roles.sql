@@ -1,4 +1,5 @@
--- Least-privilege roles for the relays: one for `cdc-relay stream`, one for `cdc-relay poll`.
+-- Least-privilege roles for the relays: one for `cdc-relay stream`, one for `cdc-relay poll`;
+-- and the writer role, the only one (superusers aside) that may write events.
 -- Run by a superuser (only superusers may give REPLICATION, before PostgreSQL 16), after
 -- schema outbox (and schema poller if you poll), in the outbox's database; idempotent:
 --
@@ -11,7 +12,7 @@
 -- as it is (set it with psql's \password, which sends only a hash, or use certificates).
 -- The statement that sets a password can be logged by the server (log_statement = 'ddl' or
 -- 'all'): prefer \password there. Role and table names can be changed with psql variables:
---   -v stream_role=... -v poller_role=... -v outbox_table=myschema.outbox
+--   -v stream_role=... -v poller_role=... -v writer_role=... -v outbox_table=myschema.outbox
 --
 -- Who does what:
 --   * the table's owner (or an administrator) runs `cdc-relay setup-slot` once: creating the
@@ -21,7 +22,15 @@
 --   * the poller role claims, marks and prunes rows: SELECT, UPDATE of the four columns the
 --     poller changes, DELETE for `cdc-relay prune` (take DELETE out of the grant below if
 --     another job prunes); LISTEN and pg_notify() need no privilege.
--- Neither may INSERT: events are the application's to write.
+-- Neither may INSERT, nor emit a logical decoding message: events are the application's to
+-- write, through the writer role:
+--   * the writer role (NOLOGIN when this script makes it; give it to the application's roles:
+--     GRANT cdc_relay_writer TO app) may INSERT into the outbox and run
+--     pg_logical_emit_message (outbox_emit() calls it), which is taken from PUBLIC: any role
+--     that can connect may run it by default, and `cdc-relay stream --messages` relays every
+--     message of the outbox prefix (it refuses to start while a role that is not a member of
+--     --message-writer, default cdc_relay_writer, may run it). Superusers always may.
+--     The function's privileges are per database: run this script in the outbox's database.
 -- On managed services without superuser, give the provider's replication role instead of
 -- REPLICATION (e.g. GRANT rds_replication TO cdc_relay_stream on Amazon RDS).
 
@@ -33,6 +42,10 @@
 \else
     \set poller_role cdc_relay_poller
 \endif
+\if :{?writer_role}
+\else
+    \set writer_role cdc_relay_writer
+\endif
 \if :{?outbox_table}
 \else
     \set outbox_table public.outbox_events
@@ -43,6 +56,11 @@
 SELECT format('CREATE ROLE %I', role)
 FROM unnest(ARRAY[:'stream_role', :'poller_role']) AS role
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role)
+\gexec
+-- The writer is a group role the application's roles join; an existing role named instead (the
+-- application's own) keeps its attributes.
+SELECT format('CREATE ROLE %I NOLOGIN', :'writer_role')
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'writer_role')
 \gexec
 
 -- Attributes are set on every run, so a role found with more than it needs is cut back.
@@ -59,10 +77,11 @@ ALTER ROLE :"poller_role"
 \endif
 
 -- The database and the outbox's schema (PUBLIC may have both already; hardened ones not).
-SELECT format('GRANT CONNECT ON DATABASE %I TO %I, %I',
-              current_database(), :'stream_role', :'poller_role')
+SELECT format('GRANT CONNECT ON DATABASE %I TO %I, %I, %I',
+              current_database(), :'stream_role', :'poller_role', :'writer_role')
 \gexec
-SELECT format('GRANT USAGE ON SCHEMA %I TO %I, %I', n.nspname, :'stream_role', :'poller_role')
+SELECT format('GRANT USAGE ON SCHEMA %I TO %I, %I, %I',
+              n.nspname, :'stream_role', :'poller_role', :'writer_role')
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = :'outbox_table'::regclass
@@ -76,6 +95,8 @@ SELECT format('GRANT SELECT ON TABLE %s TO %I', :'outbox_table'::regclass, :'str
 \gexec
 SELECT format('GRANT SELECT, DELETE ON TABLE %s TO %I',
               :'outbox_table'::regclass, :'poller_role')
+\gexec
+SELECT format('GRANT INSERT ON TABLE %s TO %I', :'outbox_table'::regclass, :'writer_role')
 \gexec
 -- SELECT ... FOR UPDATE needs UPDATE on a column, which these give.
 SELECT format('GRANT UPDATE (processed_at, attempts, retry_after, last_error) ON TABLE %s TO %I',
@@ -94,4 +115,17 @@ WHERE to_regclass('outbox_dead_letters') IS NOT NULL
 SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',
               to_regclass('cdc_relay_dead_letters'), :'stream_role')
 WHERE to_regclass('cdc_relay_dead_letters') IS NOT NULL
+\gexec
+
+-- Logical decoding messages: the writer's alone (each overload of pg_logical_emit_message, as
+-- this server has them: text and bytea content, and from PostgreSQL 17 a `flush` argument).
+-- Only a superuser may change who runs it (it belongs to the bootstrap superuser).
+SELECT format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC, %I, %I',
+              p.oid::regprocedure, :'stream_role', :'poller_role')
+FROM pg_proc p
+WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::regnamespace
+\gexec
+SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, :'writer_role')
+FROM pg_proc p
+WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::regnamespace
 \gexec

@@ -138,6 +138,7 @@ def test_the_roles_script_runs_from_schema_show_through_psql(outbox_db: str) -> 
         pytest.skip(f"no psql: {err}")
     suffix = uuid.uuid4().hex[:8]
     stream_role, poller_role = f"t_stream_{suffix}", f"t_poller_{suffix}"
+    writer_role = f"t_writer_{suffix}"
     script = cli("schema", "show", "roles").stdout
     try:
         ran = subprocess.run(
@@ -145,7 +146,7 @@ def test_the_roles_script_runs_from_schema_show_through_psql(outbox_db: str) -> 
                 str(psql),
                 *("-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", outbox_db),
                 *("-v", f"stream_role={stream_role}", "-v", f"poller_role={poller_role}"),
-                *("-f", "-"),
+                *("-v", f"writer_role={writer_role}", "-f", "-"),
             ],
             input=script,
             capture_output=True,
@@ -162,13 +163,22 @@ def test_the_roles_script_runs_from_schema_show_through_psql(outbox_db: str) -> 
             outbox_db, "SELECT has_table_privilege(%s, 'outbox_events', 'INSERT')", poller_role
         )
         assert one(
+            outbox_db, "SELECT has_table_privilege(%s, 'outbox_events', 'INSERT')", writer_role
+        )
+        # pg_logical_emit_message: the writer's, not PUBLIC's (tests/integration/
+        # test_message_privileges.py tries each role)
+        emit = "SELECT bool_and(has_function_privilege(%s, oid, 'EXECUTE')) FROM pg_proc"
+        emit += " WHERE proname = 'pg_logical_emit_message'"
+        assert one(outbox_db, emit, writer_role)
+        assert not one(outbox_db, emit, poller_role)
+        assert one(
             outbox_db,
             "SELECT rolpassword IS NOT NULL FROM pg_authid WHERE rolname = %s",
             stream_role,
         )
     finally:  # roles belong to the whole cluster, which other tests share
         with psycopg.connect(outbox_db, autocommit=True) as conn:
-            for role in (stream_role, poller_role):
+            for role in (stream_role, poller_role, writer_role):
                 if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
                     conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                     conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

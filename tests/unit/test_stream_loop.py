@@ -26,8 +26,17 @@ from confluent_kafka import KafkaError
 from cdc_relay import pgoutput
 from cdc_relay.checkpoint import Transaction
 from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
-from cdc_relay.errors import DeliveryError
-from cdc_relay.events import Begin, Commit, Insert, OutboxEvent, Record, Relation, SchemaError
+from cdc_relay.errors import DeliveryError, RelayError, SlotInUseError
+from cdc_relay.events import (
+    Begin,
+    Commit,
+    Insert,
+    LogicalMessage,
+    OutboxEvent,
+    Record,
+    Relation,
+    SchemaError,
+)
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message, Router, TopicTaken
@@ -49,9 +58,13 @@ def event_id(message: Message) -> str:
 
 
 def record_id(record: Record) -> str | None:
-    """The id of the event an insert carries (the first column, ``id``)."""
+    """The id of the event an insert (the first column, ``id``) or an outbox envelope in a
+    message carries."""
     if isinstance(record, Insert) and isinstance(record.values[0], bytes):
         return record.values[0].decode()
+    if isinstance(record, LogicalMessage):
+        envelope = json.loads(record.content)
+        return str(envelope["id"]) if "aggregate_type" in envelope else None
     return None
 
 
@@ -62,13 +75,18 @@ def first_seen(ids: Sequence[str]) -> list[str]:
 
 class Wal:
     """The server's side: captured messages in units of the stream (a transaction, Begin to
-    Commit), and what the relay asked of it and told it."""
+    Commit, or a non-transactional message, which ends at its own LSN), and what the relay
+    asked of it and told it."""
 
     def __init__(self, raw: Sequence[bytes]) -> None:
         self.units: list[tuple[Lsn, list[tuple[bytes, Record]]]] = []  # (end, messages)
         unit: list[tuple[bytes, Record]] = []
         for data in raw:
             record = pgoutput.decode(data)
+            if isinstance(record, LogicalMessage) and not record.transactional:
+                assert not unit
+                self.units.append((record.lsn, [(data, record)]))
+                continue
             unit.append((data, record))
             if isinstance(record, Commit):
                 self.units.append((record.end_lsn, unit))
@@ -87,6 +105,11 @@ class Wal:
         self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
         self.connections: list[Connection] = []
         self.born = time.monotonic()
+        self.timeline = 0  # the server's, as a reconnecting relay reads it (0: not known)
+        self.error: str | None = None  # the server ends every stream with it, at the first read
+        self.taken = 0  # another relay holds the slot for so many attempts to start
+        self.on_taken: Callable[[], object] = lambda: None  # at each of them
+        self.on_lost: Callable[[], object] = lambda: None  # when the test cuts a connection
 
     def open(self, dsn: str) -> Connection:
         connection = Connection(self)
@@ -117,6 +140,10 @@ class Connection:
 
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         wal = self.wal
+        if wal.taken:
+            wal.taken -= 1
+            wal.on_taken()
+            raise SlotInUseError("replication slot 'test' is in use by another process")
         wal.starts.append(start_lsn)
         start = max(start_lsn, wal.confirmed)
         self.lose_after, wal.lose_after = wal.lose_after, None
@@ -141,9 +168,12 @@ class Connection:
         wal = self.wal
         assert time.monotonic() - wal.born < WATCHDOG, "the loop did not end"
         assert not self.closed
+        if wal.error is not None:
+            raise ConnectionLost(f"replication stream ended: {wal.error}", server_error=True)
         if self.lose_after is not None:
             if self.lose_after == 0:
                 wal.lost_after_commit = self.last_commit
+                wal.on_lost()
                 raise ConnectionLost("replication connection lost: the test cut it")
             self.lose_after -= 1
         if self.queue:
@@ -299,6 +329,7 @@ def relay_on(wal: Wal, **settings: Any) -> tuple[StreamRelay, Sink]:
         open_source=wal.open,
         open_sink=open_sink,
         open_dead_letters=Letters,
+        read_timeline=lambda dsn, slot: (wal.timeline, wal.confirmed),
     )
     return relay, sinks[0]
 
@@ -559,3 +590,86 @@ def test_shutdown_confirms_what_was_acknowledged_and_no_more(
     assert max(wal.flushed()) == wal.before(last[0])
     assert wal.connections[-1].closed
     assert "stopped; 10 events not acknowledged will be sent again on restart" in caplog.text
+
+
+def test_an_error_the_server_ends_every_stream_with_backs_off_then_stops_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The walsender ends every stream with one ERROR (a publication it cannot find, say):
+    the relay reconnected at once, for ever (1,572 times in 5 s). It backs off, then stops."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    pauses: list[float] = []
+    monkeypatch.setattr(relay, "_pause", pauses.append)
+    wal.error = 'ERROR:  publication "outboxpub" does not exist'
+
+    with pytest.raises(RelayError) as failure:
+        relay.stream(wal.tables)
+
+    message = str(failure.value)
+    assert "\n" not in message
+    assert 'publication "outboxpub" does not exist' in message
+    assert "8 times in a row" in message
+    assert len(wal.starts) == 8
+    assert pauses == sorted(pauses)
+    assert pauses[0] > 0
+    assert sum(pauses) > 20
+    assert wal.flushed() == [0] * len(wal.flushed())
+
+
+def test_a_relay_cut_off_from_kafka_and_its_slot_delivers_nothing_while_another_holds_it() -> None:
+    """Kafka is away and the replication connection is lost; a standby takes the slot while
+    this relay waits (now a standby itself). Its producer's queue, delivered whenever Kafka
+    came back, would land after the new holder's newer events of the same aggregates (e1,
+    e2, e1): it is dropped, and the replay sends it again once this relay holds the slot."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, standby=True)
+    sink.hold_all = True  # Kafka away: nothing is acknowledged
+    wal.lose_after = 200
+    acked_at_loss: list[int] = []
+
+    def lost() -> None:
+        wal.taken = 3  # another relay holds the slot for a while
+        acked_at_loss.append(len(sink.acked))
+
+    def taken() -> None:
+        sink.hold_all = False  # Kafka is back while the other relay holds the slot
+        sink.poll(0)
+        acked_while_taken.append(len(sink.acked))
+
+    acked_while_taken: list[int] = []
+    wal.on_lost = lost
+    wal.on_taken = taken
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    # Nothing of the old queue was delivered while the other relay held the slot: every
+    # acknowledgement came from the replay, once this relay held the slot again.
+    assert acked_at_loss == [0]
+    assert acked_while_taken == [0, 0, 0]
+    assert len(wal.starts) == 2
+    assert acked_ids(sink) == wal.event_ids
+
+
+def test_reconnected_to_a_promoted_server_the_stream_starts_from_the_slot_there() -> None:
+    """The connection is lost and the relay reconnects to a standby promoted since (timeline
+    2), whose copy of the failover slot lags: past it, the WAL is the new primary's own. The
+    relay asked to start from its own position and the transactions in between were never
+    sent; it starts from the slot's."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    wal.lose_after = 300
+    lagging = wal.units[10][0]
+
+    def promoted() -> None:
+        wal.timeline = 2
+        wal.confirmed = lagging
+
+    wal.on_lost = promoted
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    assert wal.starts[1] == lagging
+    assert first_seen(acked_ids(sink)) == wal.event_ids
