@@ -141,13 +141,23 @@ class Checkpoint:
         """A checkpoint record; one of version 1, which named a unit by its LSN alone, is read
         as reaching only the message a position may name: a transaction committing at that
         LSN is replayed (duplicates, once), never skipped unseen."""
-        fields = json.loads(value)
-        return cls(
-            Unit(int(fields["position"]), _KINDS[fields.get("position_kind", "message")]),
-            Unit(int(fields["partial_position"]), _KINDS[fields.get("partial_kind", "message")]),
-            int(fields["partial_events"]),
-            int(fields.get("timeline") or 0),
-        )
+        try:
+            fields = json.loads(value)
+            return cls(
+                Unit(int(fields["position"]), _KINDS[fields.get("position_kind", "message")]),
+                Unit(
+                    int(fields["partial_position"]), _KINDS[fields.get("partial_kind", "message")]
+                ),
+                int(fields["partial_events"]),
+                int(fields.get("timeline") or 0),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnreadableCheckpoint(
+                f"a checkpoint record cannot be read ({type(exc).__name__}: {exc}): it was "
+                "written by a newer cdc-relay or by something else; run the version that "
+                "wrote it, or delete the record (its key is the transactional id) to replay "
+                "from the slot (duplicates for read_committed consumers)"
+            ) from None
 
     def trusted_on(self, timeline: int, confirmed: Lsn) -> Checkpoint:
         """What of this checkpoint a relay on ``timeline`` may skip, its slot confirmed up to
@@ -171,6 +181,10 @@ class Checkpoint:
         if self.partial_events:
             text += f", and {self.partial_events} events of {self.partial}"
         return text
+
+
+class UnreadableCheckpoint(PreflightError):
+    """The checkpoint topic holds a record of this relay's key that it cannot read."""
 
 
 class Skipper:
@@ -508,7 +522,7 @@ def checkpoint_status(
         found = committed_checkpoint(config, eos.checkpoint_topic, eos.transactional_id, timeout)
     except NoCheckpointTopic as exc:
         return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, absent=str(exc))
-    except KafkaUnavailableError as exc:
+    except (KafkaUnavailableError, UnreadableCheckpoint) as exc:
         return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, str(exc))
     return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, found)
 

@@ -36,7 +36,9 @@ class ConnectionLost(RelayError):
     a connection that failed."""
 
     def __init__(self, message: str, server_error: bool = False) -> None:
-        super().__init__(message)
+        # libpq's text may run over lines (ERROR, then CONTEXT, DETAIL): one line, as every
+        # message of the relay's is.
+        super().__init__(" ".join(line.strip() for line in message.splitlines() if line.strip()))
         self.server_error = server_error
 
 

@@ -119,6 +119,7 @@ _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
 # The server ending the stream with one error this many times in a row, with no progress in
 # between (about 25 s of backing off), stops the relay: the error is the user's to fix.
 _SAME_ERROR_LIMIT = 8
+_SAME_ERROR_WITHIN = 60.0  # seconds: a loss longer after the last one starts the count anew
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -358,7 +359,8 @@ class StreamRelay:
         self._waiting = False  # still before the cut
         self._slot_confirmed: Lsn = 0  # the slot's position at start
         self._timeline = 0  # the server's at start, or since it changed (0: not known)
-        self._last_loss: tuple[str, Lsn] | None = None  # the last lost connection's error, where
+        # The last lost connection's error, where the stream was, and when.
+        self._last_loss: tuple[str, Lsn, float] = ("", -1, 0.0)
         self._losses = 0  # connections lost in a row with that error at that position
         self._quiet = False  # events may be skipped: waiting for a cut, or replaying
         self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
@@ -948,6 +950,12 @@ class StreamRelay:
         )
         self._timeline = timeline
         self.tracker.rebase(confirmed)
+        after = self._after_cut
+        if after is not None and not self._waiting and (after.lsn is None or confirmed < after.lsn):
+            # A new shard whose slot there is before its cut: what precedes the cut is the
+            # old shards' again (as on a restart, _start_after_cut).
+            self._waiting = self._quiet = True
+            self._cut_transaction = None
         eos = self._eos
         if eos is not None:
             eos.timeline = timeline
@@ -956,9 +964,12 @@ class StreamRelay:
     def _held(self) -> None:
         """The slot is this relay's now: what was decided from its position before it was
         held (a standby waited meanwhile) is decided again from where it is."""
-        if self.settings.shard is None and self._eos is None:
-            return
         with connect(self.settings.dsn) as conn:
+            # The server may be another one by now, promoted while this relay stood by.
+            timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
+            self._timeline = int(timeline or 0)
+            if self._eos is not None:
+                self._eos.timeline = self._timeline
             slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
             if not slot:
                 return  # dropped meanwhile: the stream says so
@@ -1050,9 +1061,12 @@ class StreamRelay:
         self._close_conn()
         self.sink.poll(0)  # reports already here count: fewer events to replay
         self.rewinds.note()
-        again = (str(exc), self.tracker.safe_lsn) == self._last_loss
+        now = time.monotonic()
+        again = (str(exc), self.tracker.safe_lsn) == self._last_loss[:2] and (
+            now - self._last_loss[2] < _SAME_ERROR_WITHIN
+        )
         self._losses = self._losses + 1 if again else 1
-        self._last_loss = (str(exc), self.tracker.safe_lsn)
+        self._last_loss = (str(exc), self.tracker.safe_lsn, now)
         if exc.server_error and self._losses >= _SAME_ERROR_LIMIT:
             raise RelayError(
                 f"the server ended the stream {self._losses} times in a row at "

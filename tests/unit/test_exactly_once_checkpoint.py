@@ -18,6 +18,7 @@ from cdc_relay.exactly_once import (
     Skipper,
     TransactionalSink,
     Unit,
+    UnreadableCheckpoint,
     check_interval,
 )
 from cdc_relay.lsn import Lsn
@@ -42,6 +43,23 @@ def test_a_checkpoint_survives_its_encoding_and_reads_the_older_one_without_time
     # transaction committing at that LSN is replayed, never skipped unseen.
     older = b'{"v": 1, "position": 12288, "partial_position": 0, "partial_events": 0}'
     assert Checkpoint.decode(older) == Checkpoint(Unit(12288, MESSAGE), Unit(0, MESSAGE))
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b'{"v": 3, "position": 1, "position_kind": "epoch", "partial_position": 0, '
+        b'"partial_events": 0}',
+        b'{"v": 2, "position": "far"}',
+        b"not json",
+        b"[]",
+    ],
+)
+def test_a_checkpoint_record_it_cannot_read_is_one_line_with_the_remedy(record: bytes) -> None:
+    with pytest.raises(UnreadableCheckpoint) as failure:
+        Checkpoint.decode(record)
+    assert "\n" not in str(failure.value)
+    assert "transactional id" in str(failure.value)
 
 
 def test_a_message_and_the_transaction_committing_at_its_lsn_are_two_units() -> None:
