@@ -39,7 +39,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from cdc_relay.batch import open_batch
+from cdc_relay.batch import open_batch, poll_router
 from cdc_relay.config import RelaySettings
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -52,6 +52,7 @@ from cdc_relay.metrics import (
 from cdc_relay.pipeline import WAIT
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost
+from cdc_relay.sink import kafka_sink
 from cdc_relay.slot import connect
 from cdc_relay.stages import Claims, OpenSink, OpenStore, OutboxStore
 from cdc_relay.store import (
@@ -151,13 +152,17 @@ class Worker:
         shard: int,
         claims: Claims,
         outbox: Outbox,
-        open_sink: OpenSink | None,
+        open_sink: OpenSink,
     ) -> None:
         self.relay = relay
         self.settings = relay.settings
         self.shard = shard
         self.batch = open_batch(
-            relay.settings, open_sink, tick=relay.health.beat, give_up=self._give_up
+            relay.settings,
+            open_sink,
+            tick=relay.health.beat,
+            give_up=self._give_up,
+            router=relay.router,
         )
         self.claims = claims
         self.outbox = outbox
@@ -371,7 +376,10 @@ class PollRelay:
         self.stopping = threading.Event()
         self.wake = Wake()
         self._open_store = open_store
-        self._open_sink = open_sink
+        # One for all workers: what their sinks learn of Kafka's topics (sink.kafka_sink).
+        self._open_sink = open_sink or kafka_sink(settings.kafka_config, relay="poll")
+        # One for all workers: which aggregate type each topic is of (routing.Router).
+        self.router = poll_router(settings)
         self._error: BaseException | None = None  # what stopped a worker
         self._error_lock = threading.Lock()
         self._listening = False

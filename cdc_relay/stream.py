@@ -349,6 +349,9 @@ class StreamRelay:
         self._sent_flush: Lsn = -1
         self._standing_by = False
         self._acks = 0  # acknowledgements not yet added to the published counter
+        # Ids of the events sent and not acknowledged, for the stop line: the tracker forgets
+        # them on a rewind, and the producer once Kafka refused them.
+        self._unacknowledged: set[str] = set()
         self._events_seen = 0  # events sent at the last tick, for SINCE_LAST_EVENT
         # A new shard after a resharding cut: what comes before the cut is the old shards',
         # skipped and never confirmed (shards.py); None for any other relay.
@@ -371,6 +374,7 @@ class StreamRelay:
         """The checkpointer's report (pipeline.Checkpointer): the LSN tracker's."""
         transaction = token[0]
         self.tracker.acked(transaction)
+        self._unacknowledged.discard(token[1])
         # Counted here, added to the metric with the next status update: a Prometheus
         # counter's inc() takes a lock, per event.
         self._acks += 1
@@ -731,6 +735,7 @@ class StreamRelay:
 
     def _send(self, event: OutboxEvent, transaction: Transaction) -> None:
         self.tracker.sent(transaction)
+        self._unacknowledged.add(event.id)
         suspects = self.rewinds.suspects
         self._publish(event, (transaction, event.id), bool(suspects) and event.id in suspects)
         if self._eos is not None:
@@ -1198,11 +1203,14 @@ class StreamRelay:
             log.warning("could not confirm the final position: %s", exc)
         finally:
             self._close_conn()
-            left = self.sink.close()
+            self.sink.close()
             self._log_progress()
+            # Not what the producer still holds: a refused event is no longer there.
+            left = len(self._unacknowledged)
             log.info(
-                "stopped; %d events not acknowledged will be sent again on restart",
+                "stopped; %d event%s not acknowledged will be sent again on restart",
                 left,
+                "" if left == 1 else "s",
                 extra={"action": "stop", "lsn": format_lsn(self.tracker.safe_lsn)},
             )
 

@@ -24,13 +24,23 @@ from capture import pgoutput_messages
 from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput
-from cdc_relay.deadletter import DeadLetters
+from cdc_relay.checkpoint import Transaction
+from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
 from cdc_relay.errors import DeliveryError, RelayError, SlotInUseError
-from cdc_relay.events import Begin, Commit, Insert, LogicalMessage, Record, Relation
+from cdc_relay.events import (
+    Begin,
+    Commit,
+    Insert,
+    LogicalMessage,
+    OutboxEvent,
+    Record,
+    Relation,
+    SchemaError,
+)
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
-from cdc_relay.routing import Message
-from cdc_relay.stream import StreamRelay, StreamSettings
+from cdc_relay.routing import Message, Router, TopicTaken
+from cdc_relay.stream import Rewinds, StreamRelay, StreamSettings
 from cdc_relay.tables import OutboxTable
 
 BACKLOG = Path(__file__).parents[2] / "bench" / "data" / "pgoutput-backlog.jsonl"
@@ -479,6 +489,69 @@ def test_a_culprit_goes_to_the_dead_letters_and_the_stream_goes_on() -> None:
     assert dict(letter.headers)["error_code"] == b"MSG_SIZE_TOO_LARGE"
     assert first_seen(acked_ids(sink)) == wal.event_ids  # the letter where the event was
     assert wal.flushed()[-1] == wal.end
+
+
+def test_the_stop_line_counts_an_event_kafka_refused_as_the_relay_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Refused while stopping, an event is no longer in the producer: the stop line counts
+    what Kafka did not acknowledge, not what the producer holds."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, status_interval=3600.0)
+    last = wal.event_ids[-1]
+    sink.hold.add(last)
+    sink.poison[last] = KafkaError.UNKNOWN_TOPIC_OR_PART
+
+    def on_idle() -> None:
+        if len(sink.acked) == len(wal.event_ids) - 1:
+            relay.request_stop()
+            sink.hold.clear()  # Kafka's answer comes now: a refusal
+
+    wal.on_idle = on_idle
+    with caplog.at_level(logging.INFO, logger="cdc_relay.stream"):
+        relay.stream(wal.tables)
+
+    assert [refused for refused, _, _ in sink.refused] == [last]
+    assert max(wal.flushed()) <= wal.before(last)
+    assert "stopped; 1 event not acknowledged will be sent again on restart" in caplog.text
+
+
+def test_an_event_whose_topic_another_aggregate_type_has_is_dead_lettered_with_why() -> None:
+    def typed(aggregate_type: str, number: int) -> OutboxEvent:
+        return OutboxEvent(
+            id=f"e{number}",
+            aggregate_type=aggregate_type,
+            aggregate_id=f"a{number}",
+            event_type="changed",
+            payload=b"{}",
+            commit_lsn=100 + number,
+            xid=1,
+            commit_time_us=0,
+        )
+
+    router = Router()
+    router.route(typed("order/line", 1))
+    with pytest.raises(TopicTaken) as taken:
+        router.route(typed("order_line", 2))
+    letters = Letters("test", "test", DEAD)
+    delivered: list[Message] = []
+    refusals = DeadLetterRefusals(Rewinds(), letters, lambda message, _: delivered.append(message))
+
+    refusals.unroutable((Transaction(), "e2"), taken.value)
+
+    assert letters.stored == [("e2", KafkaError.TOPIC_EXCEPTION)]
+    (letter,) = delivered
+    headers = dict(letter.headers)
+    assert letter.topic == DEAD
+    assert headers["original_topic"] == b"outbox.event.order_line"
+    assert b"'order_line' and 'order/line' both make topic" in headers["error"]
+    # An event with nothing to set aside (no payload) still stops the stream.
+    with pytest.raises(SchemaError, match="NULL payload"):
+        try:
+            router.route(OutboxEvent("e3", "order", "a3", "changed", None, 103, 1, 0))
+        except SchemaError as exc:
+            refusals.unroutable((Transaction(), "e3"), exc)
+    assert len(delivered) == 1
 
 
 def test_a_lost_connection_reconnects_at_the_safe_position_and_replays() -> None:
