@@ -172,10 +172,18 @@ def open_batch(
     *,
     tick: Callable[[], None] = _nothing,
     give_up: Callable[[], bool] = _never,
+    router: Router | None = None,
 ) -> Batch:
-    """A batch on its own pipeline: the router of ``settings``, and the sink of ``open_sink``
-    (the idempotent producer by default). A poll worker's; the handover's, which never gives
-    up waiting."""
-    router = Router(settings.topic_template, settings.tombstone_on_empty, settings.cloudevents)
+    """A batch on its own pipeline: the router of ``settings`` (or ``router``, which a poll
+    relay's workers share: it tells which aggregate type a topic is of), and the sink of
+    ``open_sink`` (the idempotent producer by default). A poll worker's; the handover's,
+    which never gives up waiting."""
+    if router is None:
+        router = poll_router(settings)
     opener = open_sink or kafka_sink(settings.kafka_config, relay="poll")
     return Batch(router, opener, tick=tick, give_up=give_up)
+
+
+def poll_router(settings: RelaySettings) -> Router:
+    """The router of a relay of one outbox table (no ``{schema}`` or ``{table}``)."""
+    return Router(settings.topic_template, settings.tombstone_on_empty, settings.cloudevents)

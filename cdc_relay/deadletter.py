@@ -29,7 +29,7 @@ from cdc_relay.metrics import count_failed
 from cdc_relay.queries import QUERIES
 from cdc_relay.refusals import header, is_culprit, log_refusal
 from cdc_relay.replication import ConnectionLost
-from cdc_relay.routing import Message
+from cdc_relay.routing import Message, TopicTaken
 from cdc_relay.slot import connect
 from cdc_relay.store import refused, resolve
 
@@ -150,8 +150,9 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
 
 class DeadLetterRefusals:
     """The stream's refusal policy with ``--dead-letter-topic``: the culprit goes to the
-    dead letters (the table, then the topic) and the stream goes on; everything else is the
-    wrapped policy's (stream.Rewinds). ``deliver_alone`` is the pipeline's: each dead letter
+    dead letters (the table, then the topic) and the stream goes on, and so does an event
+    whose topic another aggregate type made first (routing.TopicTaken); everything else is
+    the wrapped policy's (stream.Rewinds). ``deliver_alone`` is the pipeline's: each dead letter
     goes alone, under the culprit's token, so its acknowledgement moves the checkpointer
     past the event it stands for."""
 
@@ -178,7 +179,10 @@ class DeadLetterRefusals:
         self.policy.cleared(token)
 
     def unroutable(self, token: Any, exc: RelayError) -> None:
-        self.policy.unroutable(token, exc)
+        if isinstance(exc, TopicTaken):  # its topic is another name's: set it aside
+            self.culprit(exc.message, token, KafkaError(KafkaError.TOPIC_EXCEPTION, str(exc)))
+        else:  # no message to set aside (no payload, no table)
+            self.policy.unroutable(token, exc)
 
     def culprit(self, message: Message, token: Any, err: KafkaError) -> None:
         """Keep the event in the table, then send its dead letter: with the payload, or

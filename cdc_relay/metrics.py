@@ -117,6 +117,11 @@ SHARD = Gauge(
     "relay's other metrics on the instance to see them per shard.",
     ["shard", "shards"],
 )
+MESSAGES_IGNORED = Counter(
+    "cdc_relay_messages_ignored",
+    "Logical decoding messages of the outbox prefix passed over by stream --ignore-messages "
+    "(without --messages a message is no event): each is logged with its event id.",
+)
 CONNECTED = Gauge(
     "cdc_relay_connected",
     "1 while connected to the service.",

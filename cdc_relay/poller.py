@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from cdc_relay.batch import open_batch
+from cdc_relay.batch import open_batch, poll_router
 from cdc_relay.config import RelaySettings
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -54,6 +54,7 @@ from cdc_relay.metrics import (
 from cdc_relay.pipeline import WAIT
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost
+from cdc_relay.sink import kafka_sink
 from cdc_relay.slot import connect
 from cdc_relay.stages import Claims, OpenSink, OpenStore, OutboxStore
 from cdc_relay.store import (
@@ -154,12 +155,18 @@ class Worker:
         shard: int,
         claims: Claims,
         outbox: Outbox,
-        open_sink: OpenSink | None,
+        open_sink: OpenSink,
     ) -> None:
         self.relay = relay
         self.settings = relay.settings
         self.shard = shard
-        self.batch = open_batch(relay.settings, open_sink, tick=self._tick, give_up=self._give_up)
+        self.batch = open_batch(
+            relay.settings,
+            open_sink,
+            tick=self._tick,
+            give_up=self._give_up,
+            router=relay.router,
+        )
         self.claims = claims
         self.outbox = outbox
         self.counts = Counts()
@@ -425,7 +432,10 @@ class PollRelay:
         self.stopping = threading.Event()
         self.wake = Wake()
         self._open_store = open_store
-        self._open_sink = open_sink
+        # One for all workers: what their sinks learn of Kafka's topics (sink.kafka_sink).
+        self._open_sink = open_sink or kafka_sink(settings.kafka_config, relay="poll")
+        # One for all workers: which aggregate type each topic is of (routing.Router).
+        self.router = poll_router(settings)
         self._error: BaseException | None = None  # what stopped a worker
         self._error_lock = threading.Lock()
         self._listening = False

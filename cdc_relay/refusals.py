@@ -123,6 +123,9 @@ _REMEDIES = {
     "or pass --dead-letter-topic",
     KafkaError.INVALID_RECORD: "the topic refuses this record (a compacted topic needs a key: "
     "give the event an aggregate_id), or pass --dead-letter-topic",
+    # Kafka will not create the topic (cdc_relay.topics): no restart changes that.
+    KafkaError.TOPIC_EXCEPTION: "pass --dead-letter-topic to set such events aside, and give "
+    "new events a topic Kafka accepts (another aggregate type, or another --topic-template)",
 }
 
 

@@ -20,7 +20,8 @@ SCHEMAS = {
     "poller": "what cdc-relay poll adds to the outbox: its NOTIFY trigger, the dead-letter view, "
     "the handovers' fences",
     "consumer": "processed_events, for idempotent consumers (cdc_relay.consumer)",
-    "roles": "least-privilege roles for stream, poll and prune: a psql script, run by a superuser",
+    "roles": "least-privilege roles for stream, poll and prune, and the writer role: a psql "
+    "script, run by a superuser",
 }
 APPLICABLE = ("outbox", "poller", "consumer")
 OUTBOX_TABLE = "outbox_events"

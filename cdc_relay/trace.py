@@ -251,7 +251,7 @@ def _unconfirmed(
     else:
         options = {
             "proto_version": "1",
-            "publication_names": settings.publication,
+            "publication_names": pgoutput.publication_names(settings.publication),
             "messages": "true",
         }
     pairs = [item for pair in options.items() for item in pair]

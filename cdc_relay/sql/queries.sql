@@ -158,6 +158,71 @@ SELECT obj_description(p.oid, 'pg_publication') AS comment
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
+-- cut_comments --
+-- The comments of the publications that publish any of the given tables (OIDs): reshard notes
+-- on each new shard's publication the cut it starts after and where the cut's message is. Only
+-- a publication's owner may comment on it, and only an owner of a table (or a superuser) may
+-- publish the table, so these are the word of the outbox's owner, not of any role that may emit
+-- a message
+SELECT obj_description(p.oid, 'pg_publication') AS comment
+FROM pg_publication p
+WHERE obj_description(p.oid, 'pg_publication') IS NOT NULL
+  AND EXISTS (SELECT 1 FROM pg_get_publication_tables(p.pubname::text) AS g
+              WHERE g.relid = ANY(%(oids)s::oid[]))
+
+-- slots_named_after --
+-- The replication slots whose names are the given one and an underscore, then anything: the
+-- shards' slots of a base name (`base_KofN`), of every shard count
+SELECT slot_name::text AS slot_name
+FROM pg_replication_slots
+WHERE left(slot_name::text, length(%(base)s) + 1) = %(base)s || '_'
+ORDER BY 1
+
+-- emit_message_privileges --
+-- Who may run pg_logical_emit_message, which writes a logical decoding message into the WAL
+-- every slot decodes: a row per overload (text and bytea content; PostgreSQL 17 added `flush`
+-- to both), named as GRANT and REVOKE take it. `public`: PUBLIC may (the default, in every new
+-- database). `others`: the roles that may, through PUBLIC, a grant, or a role they belong to,
+-- and are neither superusers (who may run anything) nor writers (members of a role `writers`
+-- names). `grantees`: the roles its ACL grants EXECUTE that are neither, to revoke it from.
+-- `ungranted`: the writers `writers` names that exist, are no superusers and would not keep it
+-- through a grant to themselves or to a writer role they belong to, to grant it to. Those two
+-- quoted as identifiers, for the statements. `writers`: those of `writers` that exist.
+WITH fn AS (
+    SELECT p.oid, p.oid::regprocedure::text AS signature,
+           coalesce(p.proacl, acldefault('f', p.proowner)) AS acl
+    FROM pg_proc p
+    WHERE p.proname = 'pg_logical_emit_message'
+      AND p.pronamespace = 'pg_catalog'::regnamespace
+), writer AS (
+    SELECT r.oid FROM pg_roles r WHERE r.rolname = ANY(%(writers)s::text[])
+), role AS (
+    SELECT r.oid, r.rolname::text AS name, r.rolsuper AS superuser,
+           EXISTS (SELECT 1 FROM writer w WHERE pg_has_role(r.oid, w.oid, 'MEMBER')) AS writer
+    FROM pg_roles r
+)
+SELECT fn.signature,
+       EXISTS (SELECT 1 FROM aclexplode(fn.acl) AS a
+               WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE') AS public,
+       array(SELECT r.name FROM role r
+             WHERE NOT r.superuser AND NOT r.writer
+               AND has_function_privilege(r.oid, fn.oid, 'EXECUTE')
+             ORDER BY 1) AS others,
+       array(SELECT quote_ident(r.name)
+             FROM aclexplode(fn.acl) AS a JOIN role r ON r.oid = a.grantee
+             WHERE a.privilege_type = 'EXECUTE' AND NOT r.superuser AND NOT r.writer
+             ORDER BY 1) AS grantees,
+       array(SELECT quote_ident(r.name) FROM writer w JOIN role r ON r.oid = w.oid
+             WHERE NOT r.superuser
+               AND NOT EXISTS (SELECT 1 FROM aclexplode(fn.acl) AS a JOIN role g
+                                   ON g.oid = a.grantee
+                               WHERE a.privilege_type = 'EXECUTE' AND g.writer
+                                 AND pg_has_role(r.oid, g.oid, 'USAGE'))
+             ORDER BY 1) AS ungranted,
+       array(SELECT r.name FROM writer w JOIN role r ON r.oid = w.oid ORDER BY 1) AS writers
+FROM fn
+ORDER BY fn.signature
+
 -- bytea_types --
 -- bytea and every domain over it, however deep: their values are sent as bytea's text
 WITH RECURSIVE b(oid) AS (

@@ -1,5 +1,6 @@
 -- Least-privilege roles for the relays: one for `cdc-relay stream`, one for `cdc-relay poll`,
--- one for `cdc-relay prune`.
+-- one for `cdc-relay prune`; and the writer role, the only one (superusers aside) that may
+-- write events.
 -- Run by a superuser (only superusers may give REPLICATION, before PostgreSQL 16), after
 -- schema outbox (and schema poller if you poll), in the outbox's database; idempotent:
 --
@@ -13,7 +14,8 @@
 -- as it is (set it with psql's \password, which sends only a hash, or use certificates).
 -- The statement that sets a password can be logged by the server (log_statement = 'ddl' or
 -- 'all'): prefer \password there. Role and table names can be changed with psql variables:
---   -v stream_role=... -v poller_role=... -v pruner_role=... -v outbox_table=myschema.outbox
+--   -v stream_role=... -v poller_role=... -v pruner_role=... -v writer_role=...
+--   -v outbox_table=myschema.outbox
 --
 -- Who does what (exactly this, whatever the roles had before: see "Taken back" below):
 --   * the table's owner (or an administrator) runs `cdc-relay setup-slot` once: creating the
@@ -27,8 +29,18 @@
 --     pg_notify() need no privilege. No DELETE: `poll` deletes nothing;
 --   * the pruner role deletes old rows whose events are on Kafka (`cdc-relay prune`, with or
 --     without --slot, from cron): SELECT and DELETE on the outbox, nothing else.
--- None may INSERT into the outbox: events are the application's to write. Each may CONNECT to
--- the database and use the outbox's schema.
+-- Each may CONNECT to the database and use the outbox's schema. None may INSERT into the
+-- outbox, nor emit a logical decoding message: events are the application's to write, through
+-- the writer role:
+--   * the writer role (NOLOGIN when this script makes it; give it to the application's roles:
+--     GRANT cdc_relay_writer TO app) may INSERT into the outbox and run
+--     pg_logical_emit_message (outbox_emit() calls it), which is taken from PUBLIC: any role
+--     that can connect may run it by default, and `cdc-relay stream --messages` relays every
+--     message of the outbox prefix (it refuses to start while a role that is not a member of
+--     --message-writer, default cdc_relay_writer, may run it). Superusers always may.
+--     The function's privileges are per database: run this script in the outbox's database.
+--     Unlike the relays' roles, the writer may be an application's own role: nothing is
+--     taken from it, and its attributes stay as they are.
 -- On managed services without superuser, give the provider's replication role instead of
 -- REPLICATION (e.g. rds_replication on Amazon RDS), named with
 --   -v stream_memberships=rds_replication     (several: separated by commas)
@@ -46,6 +58,10 @@
 \else
     \set pruner_role cdc_relay_pruner
 \endif
+\if :{?writer_role}
+\else
+    \set writer_role cdc_relay_writer
+\endif
 \if :{?outbox_table}
 \else
     \set outbox_table public.outbox_events
@@ -61,6 +77,11 @@
 SELECT format('CREATE ROLE %I', role)
 FROM unnest(ARRAY[:'stream_role', :'poller_role', :'pruner_role']) AS role
 WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = role)
+\gexec
+-- The writer is a group role the application's roles join; an existing role named instead (the
+-- application's own) keeps its attributes.
+SELECT format('CREATE ROLE %I NOLOGIN', :'writer_role')
+WHERE NOT EXISTS (SELECT FROM pg_roles WHERE rolname = :'writer_role')
 \gexec
 
 -- Attributes are set on every run, so a role found with more than it needs is cut back.
@@ -191,11 +212,11 @@ WHERE EXISTS (SELECT 1 FROM aclexplode(n.nspacl) e
 -- == Granted: exactly what each role needs ================================================
 
 -- The database and the outbox's schema (PUBLIC may have both already; hardened ones not).
-SELECT format('GRANT CONNECT ON DATABASE %I TO %I, %I, %I',
-              current_database(), :'stream_role', :'poller_role', :'pruner_role')
+SELECT format('GRANT CONNECT ON DATABASE %I TO %I, %I, %I, %I',
+              current_database(), :'stream_role', :'poller_role', :'pruner_role', :'writer_role')
 \gexec
-SELECT format('GRANT USAGE ON SCHEMA %I TO %I, %I, %I',
-              n.nspname, :'stream_role', :'poller_role', :'pruner_role')
+SELECT format('GRANT USAGE ON SCHEMA %I TO %I, %I, %I, %I',
+              n.nspname, :'stream_role', :'poller_role', :'pruner_role', :'writer_role')
 FROM pg_class c
 JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE c.oid = :'outbox_table'::regclass
@@ -211,6 +232,8 @@ SELECT format('GRANT UPDATE (processed_at, attempts, retry_after, last_error) ON
 \gexec
 SELECT format('GRANT SELECT, DELETE ON TABLE %s TO %I',
               :'outbox_table'::regclass, :'pruner_role')
+\gexec
+SELECT format('GRANT INSERT ON TABLE %s TO %I', :'outbox_table'::regclass, :'writer_role')
 \gexec
 
 -- schema poller's dead-letter view (outbox columns both roles may read already), read by
@@ -235,4 +258,17 @@ WHERE c.oid = :'outbox_table'::regclass
 SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',
               to_regclass('cdc_relay_dead_letters'), :'stream_role')
 WHERE to_regclass('cdc_relay_dead_letters') IS NOT NULL
+\gexec
+
+-- Logical decoding messages: the writer's alone (each overload of pg_logical_emit_message, as
+-- this server has them: text and bytea content, and from PostgreSQL 17 a `flush` argument).
+-- Only a superuser may change who runs it (it belongs to the bootstrap superuser).
+SELECT format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC, %I, %I, %I',
+              p.oid::regprocedure, :'stream_role', :'poller_role', :'pruner_role')
+FROM pg_proc p
+WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::regnamespace
+\gexec
+SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, :'writer_role')
+FROM pg_proc p
+WHERE p.proname = 'pg_logical_emit_message' AND p.pronamespace = 'pg_catalog'::regnamespace
 \gexec

@@ -139,7 +139,7 @@ def test_the_roles_script_runs_from_schema_show_through_psql(outbox_db: str) -> 
         pytest.skip(f"no psql: {err}")
     suffix = uuid.uuid4().hex[:8]
     stream_role, poller_role = f"t_stream_{suffix}", f"t_poller_{suffix}"
-    pruner_role = f"t_pruner_{suffix}"
+    pruner_role, writer_role = f"t_pruner_{suffix}", f"t_writer_{suffix}"
     script = cli("schema", "show", "roles").stdout
     try:
         ran = subprocess.run(
@@ -147,7 +147,7 @@ def test_the_roles_script_runs_from_schema_show_through_psql(outbox_db: str) -> 
                 str(psql),
                 *("-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", outbox_db),
                 *("-v", f"stream_role={stream_role}", "-v", f"poller_role={poller_role}"),
-                *("-v", f"pruner_role={pruner_role}"),
+                *("-v", f"pruner_role={pruner_role}", "-v", f"writer_role={writer_role}"),
                 *("-f", "-"),
             ],
             input=script,
@@ -165,13 +165,22 @@ def test_the_roles_script_runs_from_schema_show_through_psql(outbox_db: str) -> 
             outbox_db, "SELECT has_table_privilege(%s, 'outbox_events', 'INSERT')", poller_role
         )
         assert one(
+            outbox_db, "SELECT has_table_privilege(%s, 'outbox_events', 'INSERT')", writer_role
+        )
+        # pg_logical_emit_message: the writer's, not PUBLIC's (tests/integration/
+        # test_message_privileges.py tries each role)
+        emit = "SELECT bool_and(has_function_privilege(%s, oid, 'EXECUTE')) FROM pg_proc"
+        emit += " WHERE proname = 'pg_logical_emit_message'"
+        assert one(outbox_db, emit, writer_role)
+        assert not one(outbox_db, emit, poller_role)
+        assert one(
             outbox_db,
             "SELECT rolpassword IS NOT NULL FROM pg_authid WHERE rolname = %s",
             stream_role,
         )
     finally:  # roles belong to the whole cluster, which other tests share
         with psycopg.connect(outbox_db, autocommit=True) as conn:
-            for role in (stream_role, poller_role, pruner_role):
+            for role in (stream_role, poller_role, pruner_role, writer_role):
                 if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", [role]).fetchone():
                     conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
                     conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
@@ -243,7 +252,7 @@ def roles_script(dsn: str, roles: dict[str, str]) -> subprocess.CompletedProcess
         psql = find_bindir() / "psql"
     except DevstackError as err:
         pytest.skip(f"no psql: {err}")
-    names = [arg for kind in KINDS for arg in ("-v", f"{kind}_role={roles[kind]}")]
+    names = [arg for kind, role in roles.items() for arg in ("-v", f"{kind}_role={role}")]
     return subprocess.run(
         [str(psql), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, *names, "-f", "-"],
         input=cli("schema", "show", "roles").stdout,
@@ -262,22 +271,22 @@ def test_the_roles_script_takes_back_what_was_granted_before(outbox_db: str) -> 
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(schema.text("poller").encode())
     suffix = uuid.uuid4().hex[:8]
-    new = {kind: f"t_{kind}_new_{suffix}" for kind in KINDS}
-    given = {kind: f"t_{kind}_given_{suffix}" for kind in KINDS}
+    new = {kind: f"t_{kind}_new_{suffix}" for kind in (*KINDS, "writer")}
+    given = {kind: f"t_{kind}_given_{suffix}" for kind in (*KINDS, "writer")}
     app = f"t_app_{suffix}"
     database = one(outbox_db, "SELECT current_database()")
     extras = [
         f"CREATE ROLE {app}",
         f"GRANT ALL ON outbox_events, cdc_relay_dead_letters, cdc_relay_handovers TO {app}",
-        *(f"CREATE ROLE {role} LOGIN" for role in given.values()),
+        *(f"CREATE ROLE {given[kind]} LOGIN" for kind in KINDS),
         f"GRANT pg_write_all_data TO {given['stream']}",
         f"GRANT {app} TO {given['poller']}",
         f"GRANT ALL ON cdc_relay_dead_letters TO {given['poller']}, {given['pruner']}",
         f"GRANT INSERT, DELETE, TRUNCATE ON outbox_events TO {given['stream']}",
         f"GRANT DELETE, UPDATE (payload) ON outbox_events TO {given['poller']}",
         f"GRANT INSERT (payload) ON outbox_events TO {given['pruner']} WITH GRANT OPTION",
-        f"GRANT CREATE ON SCHEMA public TO {', '.join(given.values())}",
-        f'GRANT CREATE, TEMP ON DATABASE "{database}" TO {", ".join(given.values())}',
+        f"GRANT CREATE ON SCHEMA public TO {', '.join(given[kind] for kind in KINDS)}",
+        f'GRANT CREATE, TEMP ON DATABASE "{database}" TO {", ".join(given[k] for k in KINDS)}',
         f"GRANT USAGE ON SEQUENCE outbox_events_seq_seq TO {given['poller']}",
         f"ALTER DEFAULT PRIVILEGES GRANT SELECT, INSERT ON TABLES TO {given['stream']}",
         "CREATE SCHEMA extra",

@@ -23,6 +23,7 @@ from relaytools import (
     relay_env,
     setup_slot,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.outbox import write_event
@@ -107,7 +108,9 @@ def test_trace_follows_an_event_from_the_slot_to_kafka(
     assert found["pending"]["form"] == "message"
     assert found["pending"]["aggregate_id"] == "k-2"
 
-    relay = RelayProcess(tmp_path, relay_env(outbox_db, bootstrap, names)).start()
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
+    env = relay_env(outbox_db, bootstrap, names, messages="true")
+    relay = RelayProcess(tmp_path, env).start()
     try:
         received = {r.id: r for r in consume(bootstrap, names.topic_prefix, 2, settle=0.5)}
         # While the relay streams the slot: read through a copy, the relay undisturbed.

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from psycopg.conninfo import conninfo_to_dict
-from relaytools import RelayProcess, consume, relay_env, setup_slot
+from relaytools import RelayProcess, consume, relay_env, setup_slot, writers_only
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -255,7 +255,9 @@ def test_an_event_reaches_kafka_if_and_only_if_its_transaction_commits(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, kind: str
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, messages="true")
+    relay = RelayProcess(tmp_path, env).start()
     try:
 
         async def run() -> list[tuple[uuid.UUID, bytes]]:

@@ -86,14 +86,20 @@ class MemoryOutbox:
         self.before_claim: Callable[[], object] = lambda: None  # the test's look, each claim
         self.sessions: list[MemoryClaims] = []  # every worker's claims
 
-    def add(self, aggregate: str, n: int = 1, payload: bytes | None = b"{}") -> list[str]:
-        """``n`` new rows of aggregate ``aggregate`` (type ``order``); their ids."""
+    def add(
+        self,
+        aggregate: str,
+        n: int = 1,
+        payload: bytes | None = b"{}",
+        aggregate_type: str = "order",
+    ) -> list[str]:
+        """``n`` new rows of aggregate ``aggregate`` (of ``aggregate_type``); their ids."""
         ids = []
         with self.lock:
             for _ in range(n):
                 seq = len(self.rows) + 1
                 ids.append(f"00000000-0000-0000-0000-{seq:012d}")
-                self.rows.append(Row(seq, ids[-1], "order", aggregate, payload))
+                self.rows.append(Row(seq, ids[-1], aggregate_type, aggregate, payload))
         return ids
 
     def row(self, row_id: str) -> Row:

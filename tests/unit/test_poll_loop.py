@@ -28,6 +28,7 @@ from test_stream_loop import Sink, event_id
 
 from cdc_relay.errors import RelayError
 from cdc_relay.poller import PollRelay, PollSettings
+from cdc_relay.shards import hashtext
 
 WATCHDOG = 10.0  # seconds: a loop that never ends fails its test instead of hanging it
 
@@ -494,3 +495,36 @@ def test_a_refused_row_is_counted_in_outbox_events_failed() -> None:
     assert relay.error is None
     assert store.row(poison).dead
     assert failed() - before == 2
+
+
+def test_two_aggregate_types_made_into_one_topic_are_told_apart_across_workers() -> None:
+    """The workers share one router: whichever meets its name second is refused, though
+    each holds only one of them (a worker looks at its share of the aggregates)."""
+
+    def on_worker(n: int) -> str:
+        return next(
+            f"a{i}" for i in range(100) if (hashtext(f"a{i}".encode()) & 0x7FFFFFFF) % 2 == n
+        )
+
+    store = MemoryOutbox()
+    for n, aggregate_type in enumerate(("order/line", "order_line")):
+        store.add(on_worker(n), 3, aggregate_type=aggregate_type)
+    relay = Relay(store, workers=2, max_attempts=2)
+
+    relay.run_until(store.done)
+
+    assert relay.error is None
+    assert {event_id(m) for sink in relay.sinks for m in sink.acked} == {
+        r.id for r in store.rows if r.processed
+    }
+    processed = {r.aggregate_type for r in store.rows if r.processed}
+    dead = {r.aggregate_type for r in store.rows if r.dead}
+    assert len(processed) == len(dead) == 1 and processed != dead, (processed, dead)
+    (refused,) = dead
+    (kept,) = processed
+    for row in store.rows:
+        if row.dead:
+            assert f"'{refused}' and '{kept}' both make topic outbox.order_line" in (
+                row.last_error or ""
+            )
+            assert row.attempts == 2
