@@ -472,10 +472,11 @@ class PgClaims:
             return True
         pgconn = conn.pgconn
         try:
-            readable, _, _ = select.select([pgconn.socket], [], [], 0)
-            if readable:
+            waiting = select.poll()  # not select(): no limit on the descriptor's number
+            waiting.register(pgconn.socket, select.POLLIN)
+            if waiting.poll(0):
                 pgconn.consume_input()
-        except (OSError, ValueError, psycopg.OperationalError):
+        except (OSError, psycopg.OperationalError):
             return True
         return pgconn.status != pq.ConnStatus.OK
 
