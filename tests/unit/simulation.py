@@ -53,6 +53,7 @@ from cdc_relay.exactly_once import (
     _fenced_error,
 )
 from cdc_relay.lsn import Lsn, format_lsn
+from cdc_relay.messages import Messages
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.routing import Message
 from cdc_relay.stream import StreamRelay, StreamSettings
@@ -565,6 +566,7 @@ class Process:
                 progress_interval=3600.0,
                 dead_letter_topic=DEAD if settings.dead_letters else None,
                 standby=standby,
+                messages=Messages(relay=True),  # the outbox's messages are events too
                 exactly_once=(
                     ExactlyOnce("sim", interval=0.05, max_events=settings.max_events)
                     if settings.exactly_once
