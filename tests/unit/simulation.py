@@ -688,8 +688,10 @@ class Process:
             self.world.trace.append(f"{self.name} step {self.steps} (idle): {writes[0][1]}")
             self.act(writes[0][1])
             return
-        if any(sink.in_flight() or sink.hold_all for sink in self.sinks if isinstance(sink, Sink)):
-            return
+        if any(
+            sink.in_flight() or (isinstance(sink, Sink) and sink.hold_all) for sink in self.sinks
+        ):
+            return  # Kafka has yet to answer
         self.drained = True
         self.relay.request_stop()
 
