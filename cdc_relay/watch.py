@@ -115,14 +115,24 @@ class Watcher:
     def _check_safely(self, rounds: int) -> None:
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
+                self._conn = self._connect()
             self._check(self._conn, wal=rounds % self._wal_every == 0)
         except psycopg.Error as exc:
             # Nothing is verified meanwhile, so nothing new is confirmed: unless the server is
             # shutting down, which waits for the walsender to have everything confirmed.
-            # admin_shutdown ends our session; then new ones fail with "the database system is
-            # shutting down" (cannot_connect_now, which libpq reports without its SQLSTATE).
-            self.shutting_down = exc.sqlstate in ("57P01", "57P03") or "shutting down" in str(exc)
+            session = self._conn is not None  # the check failed, not the connection attempt
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            self.shutting_down = _shutting_down(exc)
+            if session and not self.shutting_down:
+                # Our session ended: a fast shutdown ends it with admin_shutdown (57P01), and
+                # so does pg_terminate_backend, or a connection pooler or network may cut it.
+                # Only a server shutting down refuses a new session, so one is asked for now.
+                try:
+                    self._conn = self._connect()
+                except psycopg.Error as again:
+                    self.shutting_down = _shutting_down(again)
             if not self._failing and not self.shutting_down:
                 log.warning(
                     "cannot check the outbox table and its publication, so the slot is not "
@@ -131,11 +141,11 @@ class Watcher:
                     extra={"action": "watch_failed"},
                 )
             self._failing = True
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
         else:
             self._failing = self.shutting_down = False
+
+    def _connect(self) -> psycopg.Connection[dict[str, Any]]:
+        return psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
 
     def _check(self, conn: psycopg.Connection[dict[str, Any]], wal: bool) -> None:
         if self.problem is not None:
@@ -223,3 +233,9 @@ class Watcher:
             f"again), so rows written to {table.qualified} in between were not decoded: "
             "republish them, then restart the relay"
         )
+
+
+def _shutting_down(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` is the refusal of a new session by a server that is shutting down
+    (cannot_connect_now, which libpq reports without its SQLSTATE)."""
+    return exc.sqlstate == "57P03" or "shutting down" in str(exc)

@@ -293,6 +293,7 @@ def test_the_watchers_session_terminated_is_no_shutdown_and_keeps_the_cap(
         watcher.check_now()
         assert not watcher.shutting_down
         assert watcher.verified == verified  # nothing checked in that round
+        _insert(outbox_db, "later")  # the WAL moves on
         watcher.check_now()
         assert watcher.verified > verified and not watcher.shutting_down
     finally:
