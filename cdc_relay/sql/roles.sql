@@ -17,7 +17,8 @@
 --   * the table's owner (or an administrator) runs `cdc-relay setup-slot` once: creating the
 --     publication needs ownership of the table, and the slot needs REPLICATION;
 --   * the stream role reads the slot: LOGIN, REPLICATION, SELECT on the outbox (and on
---     schema poller's dead-letter view, for `cdc-relay status`), nothing else;
+--     schema poller's dead-letter view, for `cdc-relay status`), and moves its slot's position
+--     in schema outbox's lineage table (UPDATE of four columns), nothing else;
 --   * the poller role claims, marks and prunes rows: SELECT, UPDATE of the four columns the
 --     poller changes, DELETE for `cdc-relay prune` (take DELETE out of the grant below if
 --     another job prunes); LISTEN and pg_notify() need no privilege.
@@ -94,4 +95,19 @@ WHERE to_regclass('outbox_dead_letters') IS NOT NULL
 SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',
               to_regclass('cdc_relay_dead_letters'), :'stream_role')
 WHERE to_regclass('cdc_relay_dead_letters') IS NOT NULL
+\gexec
+
+-- schema outbox's table of what each slot was (cdc_relay_slots, made by setup-slot): the stream
+-- relay reads its slot's row and moves its position and what it verified of the publication;
+-- status and prune --slot read it. Exactly these, whatever was granted before.
+SELECT format('REVOKE ALL ON TABLE %s FROM %I, %I',
+              to_regclass('cdc_relay_slots'), :'stream_role', :'poller_role')
+WHERE to_regclass('cdc_relay_slots') IS NOT NULL
+\gexec
+SELECT format('GRANT SELECT, UPDATE (confirmed_lsn, confirmed_from, published, verified_lsn) '
+              'ON TABLE %s TO %I', to_regclass('cdc_relay_slots'), :'stream_role')
+WHERE to_regclass('cdc_relay_slots') IS NOT NULL
+\gexec
+SELECT format('GRANT SELECT ON TABLE %s TO %I', to_regclass('cdc_relay_slots'), :'poller_role')
+WHERE to_regclass('cdc_relay_slots') IS NOT NULL
 \gexec

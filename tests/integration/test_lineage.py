@@ -125,6 +125,7 @@ def test_a_lost_slot_is_made_anew_only_with_a_remedy(
 
     made = cli("setup-slot", *_base(outbox_db, names))
     line = _one_line(made, 1, "existed and is gone", "--republish-since", "--accept-gap")
+    print(line)
     assert f"slot {names.slot}" in line
     with psycopg.connect(outbox_db) as conn:
         found = conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", [names.slot])
@@ -154,6 +155,7 @@ def test_a_lost_slot_is_made_anew_only_with_a_remedy(
     accepted = cli("setup-slot", *_base(outbox_db, names), "--accept-gap")
     assert accepted.returncode == 0, accepted
     assert "skipped" in accepted.stdout and " to " in accepted.stdout, accepted.stdout
+    print(accepted.stdout)
     # Run again, as the Kubernetes Job is, it finds everything there.
     rerun = cli("setup-slot", *_base(outbox_db, names))
     assert rerun.returncode == 0, rerun
@@ -213,6 +215,7 @@ def test_a_publication_changed_while_the_relay_was_down_stops_it_at_start(
         )
     finally:
         again.close()
+    print(line)
     assert str(slot_row(outbox_db, names.slot)["confirmed"]) in line  # the span's start
     assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) == confirmed
     status = cli("status", *_base(outbox_db, names), "--wait", "0")
@@ -226,6 +229,7 @@ def test_a_publication_changed_while_the_relay_was_down_stops_it_at_start(
     accepted = cli("setup-slot", *_base(outbox_db, names), "--accept-gap")
     assert accepted.returncode == 0, accepted
     assert "accepted" in accepted.stdout, accepted.stdout
+    print(accepted.stdout)
     going = RelayProcess(
         tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="going"
     ).start()
@@ -257,7 +261,7 @@ def test_publish_flipped_and_back_between_two_looks_of_the_watcher_stops_the_rel
             )
             conn.execute(redo)  # type: ignore[arg-type]
         _insert(outbox_db, "after")
-        _stopped_with(relay, f"publication {names.publication} changed", "--accept-gap")
+        print(_stopped_with(relay, f"publication {names.publication} changed", "--accept-gap"))
     finally:
         relay.close()
     assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
