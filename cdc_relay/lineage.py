@@ -118,6 +118,13 @@ def read(conn: Connection, slot: str) -> Lineage | None:
     return None if row is None else Lineage(**row)
 
 
+def record(conn: Connection, slot: str) -> Lineage | None:
+    """The row of ``slot`` where rows are kept and this role may read them; None otherwise."""
+    if standby(conn) or not access(conn).get("readable"):
+        return None
+    return read(conn, slot)
+
+
 def published(
     conn: Connection, publication: str, tables: Sequence[OutboxTable]
 ) -> dict[str, dict[str, Any]]:
@@ -224,13 +231,14 @@ def find(
     conn: Connection,
     slot: str,
     confirmed: str,
-    publication: str | None,
     tables: Sequence[OutboxTable],
     stream: bool = False,
+    reads: str | None = None,
 ) -> Found:
     """Read the row of ``slot`` (confirmed up to ``confirmed``) and compare what it verified of
-    ``publication`` (None: a wal2json slot, which reads none) with what makes it publish
-    ``tables`` now. ``stream``: the role must also be able to move the slot's position."""
+    its publication with what makes that publish ``tables`` now. ``stream``: for a relay that
+    starts, reading publication ``reads`` (None with a wal2json slot, which reads none): it
+    must be the recorded one, and the role must be able to move the slot's position."""
     if standby(conn):
         return Found(None, None, None, {})
     allowed = access(conn)
@@ -263,6 +271,7 @@ def find(
             None,
             {},
         )
+    publication = reads if stream else record.publication
     if publication is None:
         return Found(record, None, None, {})
     now = published(conn, publication, tables)
@@ -301,7 +310,7 @@ def check_stream(
     operator's, as the stop that asked for it said)."""
     read = publication if slot_row["plugin"] == "pgoutput" else None
     confirmed = str(slot_row["confirmed_flush_lsn"])
-    found = find(conn, slot, confirmed, read, tables, stream=True)
+    found = find(conn, slot, confirmed, tables, stream=True, reads=read)
     problem = found.missing or found.changed
     if problem is not None:
         raise PreflightError(problem)
@@ -323,31 +332,29 @@ def _record_published(
 def gone(conn: Connection, slot: str) -> str | None:
     """Why ``slot``, missing, is not to be made anew without a remedy: it existed (its row is
     there); None when it has no row (it never existed, as far as anything shows)."""
-    if standby(conn) or not access(conn).get("readable"):
-        return None
-    record = read(conn, slot)
-    if record is None:
+    found = record(conn, slot)
+    if found is None:
         return None
     server = conn.execute(QUERIES["lineage_server"]).fetchone() or {}
     timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
-    if record.system_id and server.get("system_id") and record.system_id != server["system_id"]:
+    if found.system_id and server.get("system_id") and found.system_id != server["system_id"]:
         why = (
-            f"it was made on another server (system identifier {record.system_id}, this one's "
+            f"it was made on another server (system identifier {found.system_id}, this one's "
             f"is {server['system_id']}): the database was restored or copied here"
         )
-    elif record.timeline and timeline and timeline != record.timeline:
+    elif found.timeline and timeline and timeline != found.timeline:
         why = (
-            f"the server was promoted since (timeline {record.timeline} then, {timeline} now) "
+            f"the server was promoted since (timeline {found.timeline} then, {timeline} now) "
             "and the slot, no failover slot, stayed behind"
         )
     else:
         why = "it was dropped (drop-slot, or by hand, maybe once PostgreSQL invalidated it)"
     return (
-        f"slot {slot} existed and is gone: made by {record.made} at {record.created_lsn} on "
-        f"{record.created_at.isoformat(timespec='seconds')} and confirmed up to "
-        f"{record.confirmed_lsn} at least, {why}. Made anew at the WAL's position now it would "
-        f"skip every event committed since {record.confirmed_lsn}: make it with {_REMEDY}, which "
-        f"publishes those first ({_hint(record.confirmed_from)}), or with cdc-relay setup-slot "
+        f"slot {slot} existed and is gone: made by {found.made} at {found.created_lsn} on "
+        f"{found.created_at.isoformat(timespec='seconds')} and confirmed up to "
+        f"{found.confirmed_lsn} at least, {why}. Made anew at the WAL's position now it would "
+        f"skip every event committed since {found.confirmed_lsn}: make it with {_REMEDY}, which "
+        f"publishes those first ({_hint(found.confirmed_from)}), or with cdc-relay setup-slot "
         "--accept-gap to skip them"
     )
 
@@ -547,11 +554,11 @@ class Watch:
             return None
         now = published(conn, publication, tables)
         if self._before is None:
-            record = self._record(conn)
+            last = record(conn, self._slot)
             self._before = {}
-            if record is not None and record.publication == publication:
-                self._before = dict(record.published)
-                self._since = record.verified_lsn or record.created_lsn
+            if last is not None and last.publication == publication:
+                self._before = dict(last.published)
+                self._since = last.verified_lsn or last.created_lsn
         what = change(self._before, now, publication)
         if what is None:
             for oid, seen in now.items():
@@ -567,11 +574,6 @@ class Watch:
             )
         start = format_lsn(verified) if verified else "its position at start"
         return unproven(publication, what, when, start, self._moment(verified))
-
-    def _record(self, conn: Connection) -> Lineage | None:
-        if standby(conn) or not access(conn).get("readable"):
-            return None
-        return read(conn, self._slot)
 
     def _moment(self, lsn: Lsn) -> datetime | None:
         """The moment of the newest look whose WAL position is at or before ``lsn``."""

@@ -113,9 +113,7 @@ def _check(
     if problem is None and row is not None:
         # The slot is trusted for what it confirmed only if its publication covered the table
         # all along: nothing changed it since its relay verified it (lineage.py).
-        read = publication if row["plugin"] == "pgoutput" else None
-        confirmed = str(row["confirmed_flush_lsn"])
-        found = lineage.find(conn, slot, confirmed, read, [outbox.table])
+        found = lineage.find(conn, slot, str(row["confirmed_flush_lsn"]), [outbox.table])
         problem = found.missing or found.changed
     if problem is not None:
         raise PreflightError(problem)

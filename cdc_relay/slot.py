@@ -640,16 +640,11 @@ def status(
         )
         # What the slot was, and whether its publication changed since its relay verified it.
         kept = (
-            lineage.find(
-                conn,
-                slot_name,
-                str(slot["confirmed_flush_lsn"]),
-                publication if slot["plugin"] == "pgoutput" else None,
-                [outbox],
-            )
+            lineage.find(conn, slot_name, str(slot["confirmed_flush_lsn"]), [outbox])
             if slot and outbox is not None and problem is None
             else None
         )
+        made = kept.record if kept else None if slot else lineage.record(conn, slot_name)
         relays = (
             outbox is not None
             and bool(slot)
@@ -682,7 +677,7 @@ def status(
         "publication": publication,
         "publication_exists": published,
         "publication_problem": publication_problem,
-        "lineage": kept.record.as_json() if kept and kept.record else None,
+        "lineage": made.as_json() if made else None,
         "lineage_problem": kept.changed if kept else None,
         "confirmed_rows": rows.get("confirmed"),
         "unconfirmed_rows": rows.get("unconfirmed"),
