@@ -352,7 +352,7 @@ def gone(conn: Connection, slot: str) -> str | None:
     return (
         f"slot {slot} existed and is gone: made by {found.made} at {found.created_lsn} on "
         f"{found.created_at.isoformat(timespec='seconds')} and confirmed up to "
-        f"{found.confirmed_lsn} at least, {why}. Made anew at the WAL's position now it would "
+        f"{found.confirmed_lsn} at least; {why}. Made anew at the WAL's position now it would "
         f"skip every event committed since {found.confirmed_lsn}: make it with {_REMEDY}, which "
         f"publishes those first ({_hint(found.confirmed_from)}), or with cdc-relay setup-slot "
         "--accept-gap to skip them"

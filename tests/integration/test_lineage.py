@@ -16,6 +16,7 @@ import psycopg
 import pytest
 from relaytools import RelayProcess, consume, relay_env, setup_slot, slot_row, wait_until
 
+from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.slot import connect
 from cdc_relay.tables import find_table
@@ -95,31 +96,35 @@ def _kafka(kafka: Any, names: Any) -> list[str]:
     ]
 
 
+def _recorded(dsn: str, slot: str) -> int:
+    """How far the slot's row says it was confirmed."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT confirmed_lsn::text FROM cdc_relay_slots WHERE slot = %s", [slot]
+        ).fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
 def test_a_lost_slot_is_made_anew_only_with_a_remedy(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     """The reproduction of the lost slot: 3 events streamed, the slot dropped, 3 written,
-    setup-slot again. It refuses in one line with both remedies; stream says the same;
-    --republish-since publishes the 3 and makes the slot; --accept-gap makes it and names what
-    it skips."""
+    setup-slot again. It refuses in one line with both remedies, naming where the relay had
+    brought the slot (its row, moved while it streamed) and a TIME; stream says the same;
+    --republish-since that TIME publishes the 3 and makes the slot; --accept-gap makes it and
+    names what it skips."""
     setup_slot(outbox_db, names)
     relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
     try:
         relayed = [_insert(outbox_db, "before") for _ in range(3)]
         assert _ids(kafka_service, names, 3) == relayed
-        wait_until(
-            lambda: (
-                parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"]))
-                >= _wal_lsn(outbox_db) - 1024
-            ),
-            30,
-            "the slot confirmed",
-        )
+        last = _wal_lsn(outbox_db)  # past the last one's commit
+        wait_until(lambda: _recorded(outbox_db, names.slot) >= last, 30, "the row moved")
         assert relay.stop() == 0, relay.log()
     finally:
         relay.close()
-    with psycopg.connect(outbox_db) as conn:
-        since = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    recorded = _recorded(outbox_db, names.slot)
     assert cli("drop-slot", *_base(outbox_db, names), "--yes").returncode == 0
     gap = [_insert(outbox_db, "gap") for _ in range(3)]
 
@@ -127,6 +132,7 @@ def test_a_lost_slot_is_made_anew_only_with_a_remedy(
     line = _one_line(made, 1, "existed and is gone", "--republish-since", "--accept-gap")
     print(line)
     assert f"slot {names.slot}" in line
+    assert f"skip every event committed since {format_lsn(recorded)}" in line
     with psycopg.connect(outbox_db) as conn:
         found = conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", [names.slot])
         assert found.fetchall() == []
@@ -138,16 +144,18 @@ def test_a_lost_slot_is_made_anew_only_with_a_remedy(
     finally:
         again.close()
 
-    # The remedy that loses nothing: the gap's events first, then the slot.
+    # The remedy that loses nothing, from the TIME the line proposes: the gap's events first,
+    # then the slot; what was on Kafka before the slot's recorded position is not sent again.
+    since = line.split("(TIME: ", 1)[1].split(",", 1)[0]
     republished = cli(
         "setup-slot",
         *_base(outbox_db, names),
         *_kafka(kafka_service, names),
         "--republish-since",
-        since.isoformat(),
+        since,
     )
     assert republished.returncode == 0, republished
-    assert set(gap) <= set(_ids(kafka_service, names, 6))
+    assert sorted(_ids(kafka_service, names, 6)) == sorted(relayed + gap)
 
     # The other: said out loud, and what it skips is named.
     assert cli("drop-slot", *_base(outbox_db, names), "--yes").returncode == 0
