@@ -134,6 +134,17 @@ class Batch:
             self.own.add(index)
         self._failed_aggregates.add(self._rows[index].aggregate)
 
+    def abandon(self) -> int:
+        """The claim is gone (PostgreSQL ended its session): what the producer still holds is
+        no longer this worker's to deliver. Another poller may be publishing those rows, and
+        newer ones of their aggregates, which the copies here must not follow: drop them, and
+        their reports with them (a new batch number). How many were dropped."""
+        dropped = self.sink.in_flight()
+        if dropped:
+            self._batch += 1
+            self.sink.renew()
+        return dropped
+
     def _renew(self) -> None:
         """A new producer; a report the old one still gives is stale (a new batch number),
         and the rows it held are failed, for a later try behind which their aggregates wait."""
@@ -161,10 +172,18 @@ def open_batch(
     *,
     tick: Callable[[], None] = _nothing,
     give_up: Callable[[], bool] = _never,
+    router: Router | None = None,
 ) -> Batch:
-    """A batch on its own pipeline: the router of ``settings``, and the sink of ``open_sink``
-    (the idempotent producer by default). A poll worker's; the handover's, which never gives
-    up waiting."""
-    router = Router(settings.topic_template, settings.tombstone_on_empty, settings.cloudevents)
+    """A batch on its own pipeline: the router of ``settings`` (or ``router``, which a poll
+    relay's workers share: it tells which aggregate type a topic is of), and the sink of
+    ``open_sink`` (the idempotent producer by default). A poll worker's; the handover's,
+    which never gives up waiting."""
+    if router is None:
+        router = poll_router(settings)
     opener = open_sink or kafka_sink(settings.kafka_config, relay="poll")
     return Batch(router, opener, tick=tick, give_up=give_up)
+
+
+def poll_router(settings: RelaySettings) -> Router:
+    """The router of a relay of one outbox table (no ``{schema}`` or ``{table}``)."""
+    return Router(settings.topic_template, settings.tombstone_on_empty, settings.cloudevents)

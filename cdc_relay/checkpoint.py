@@ -83,6 +83,12 @@ class LsnTracker:
         if not self._transactions and wal_end > self._confirmed:
             self._confirmed = wal_end
 
+    def rebase(self, confirmed: Lsn) -> None:
+        """The stream starts again from ``confirmed``, the slot's position on a server whose
+        history past it may differ from what was acknowledged (a promoted standby); call
+        after ``reset``."""
+        self._confirmed = confirmed
+
     def reset(self) -> None:
         """Forget open and unacknowledged transactions (the stream restarts from ``safe_lsn``).
 

@@ -44,6 +44,7 @@ from cdc_relay.exactly_once import (
 from cdc_relay.exactly_once import transactional_id as eos_id
 from cdc_relay.handover import handover, republish
 from cdc_relay.lsn import format_lsn
+from cdc_relay.messages import DEFAULT_WRITER, Messages, writers_problem
 from cdc_relay.metrics import Health, serve
 from cdc_relay.poller import PollRelay, PollSettings
 from cdc_relay.prune import prune_confirmed, prune_processed
@@ -174,6 +175,25 @@ _SHARDS = _option(
     type=click.IntRange(1, MAX_SHARDS),
     help="Work on N shards: slots and publications named SLOT_KofN and PUBLICATION_KofN, each "
     "publication filtered on a hash of the aggregate id (PostgreSQL 15 or newer).",
+)
+
+
+def _messages(help: str) -> Callable[[F], F]:
+    """--messages, whose meaning each command says: stream relays messages, setup-slot and
+    status check who may write them."""
+    return _option("--messages", is_flag=True, help=help)
+
+
+_MESSAGE_WRITERS = _option(
+    "--message-writer",
+    "message_writers",
+    multiple=True,
+    default=(DEFAULT_WRITER,),
+    show_default=True,
+    metavar="ROLE",
+    help="With --messages: a role that may write events as logical decoding messages (it and "
+    "its members); repeatable (CDC_RELAY_MESSAGE_WRITER: names separated by spaces). "
+    "Superusers always may; no other role may be able to run pg_logical_emit_message.",
 )
 
 
@@ -560,6 +580,11 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     "exist; needs --kafka-bootstrap.",
 )
 @_CHECKPOINT_TOPIC
+@_messages(
+    "For stream --messages: check that only the writers (--message-writer) may emit logical "
+    "decoding messages, as stream does at start."
+)
+@_MESSAGE_WRITERS
 @wire_options(required=False)
 def setup_slot(
     dsn: str,
@@ -578,6 +603,8 @@ def setup_slot(
     failover_slot: bool,
     exactly_once: bool,
     checkpoint_topic: str,
+    messages: bool,
+    message_writers: tuple[str, ...],
     wire: WireOptions,
 ) -> None:
     """Check the database and create the publication and the replication slot.
@@ -592,6 +619,8 @@ def setup_slot(
     """
     if exactly_once and not wire.kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
+    if messages and (problem := writers_problem(dsn, message_writers)):
+        raise PreflightError(problem)
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
     table, *more_tables = tables
     specs = _specs(
@@ -757,6 +786,15 @@ def schema_apply(name: str, dsn: str) -> None:
     help="Changes the slot has not confirmed to read at most, looking for the event.",
 )
 @click.option(
+    "--max-wal-bytes",
+    type=click.IntRange(1),
+    default=1_000_000_000,
+    show_default=True,
+    metavar="BYTES",
+    help="WAL to decode at most from the slot's restart position, looking for the event "
+    "(decoding reads other tables' changes too, on the server).",
+)
+@click.option(
     "--max-messages",
     type=click.IntRange(1),
     default=10_000,
@@ -784,6 +822,7 @@ def trace_command(
     kafka_timeout: float,
     message_prefix: str,
     max_changes: int,
+    max_wal_bytes: int,
     max_messages: int,
     clock_skew: float,
     as_json: bool,
@@ -808,6 +847,7 @@ def trace_command(
         topic_template=topic_template,
         kafka_timeout=kafka_timeout,
         max_changes=max_changes,
+        max_wal_bytes=max_wal_bytes,
         max_messages=max_messages,
         clock_skew=clock_skew,
     )
@@ -937,6 +977,11 @@ def reshard_command(
     help="The transactional id of --exactly-once.  [default: cdc-relay-SLOT]",
 )
 @_CHECKPOINT_TOPIC
+@_messages(
+    "The slot is streamed with --messages: alert when others than the writers "
+    "(--message-writer) may emit logical decoding messages."
+)
+@_MESSAGE_WRITERS
 @kafka_options(required=False, topics=False, wire=False)
 def status_command(
     dsn: str,
@@ -954,6 +999,8 @@ def status_command(
     exactly_once: bool,
     transactional_id: str | None,
     checkpoint_topic: str,
+    messages: bool,
+    message_writers: tuple[str, ...],
     kafka_bootstrap: str | None,
     kafka_config: tuple[str, ...],
     kafka_config_file: Path | None,
@@ -963,7 +1010,8 @@ def status_command(
 
     A stream outbox's rows are told apart: confirmed by the slot (on Kafka) or not yet. With
     --shards N, every shard's slot. With --exactly-once, the checkpoint in Kafka too. With
-    thresholds it is a check for scripts and cron: exit 3 when one is crossed.
+    --messages, who may emit logical decoding messages. With thresholds it is a check for
+    scripts and cron: exit 3 when one is crossed.
     """
     kafka = None
     if exactly_once:
@@ -1003,6 +1051,8 @@ def status_command(
                 mine.append(f"{state[key]} {what} (limit {limit})")
         states.append((spec, state))
         alerts += [alert for alert in mine if alert not in alerts]
+    if messages and (problem := writers_problem(dsn, message_writers)):
+        alerts.append(problem)
     if as_json:
         found = [state for _, state in states]
         click.echo(
@@ -1111,6 +1161,18 @@ def _count(value: int | None) -> str:
     show_default=True,
     help="Prefix of pg_logical_emit_message() messages that carry events.",
 )
+@_messages(
+    "Relay logical decoding messages of --message-prefix as events; refuses to start while "
+    "others than the writers (--message-writer) may emit them. Without it such a message "
+    "stops the relay before it."
+)
+@_MESSAGE_WRITERS
+@_option(
+    "--ignore-messages",
+    is_flag=True,
+    help="Without --messages: pass logical decoding messages of --message-prefix over (each "
+    "logged, and counted) instead of stopping at the first.",
+)
 @_option(
     "--dead-letter-topic",
     help="Keep events Kafka refuses for good (too large, not authorised, invalid for their "
@@ -1161,6 +1223,9 @@ def stream(
     shard: Shard | None,
     header_columns: tuple[str, ...],
     message_prefix: str,
+    messages: bool,
+    message_writers: tuple[str, ...],
+    ignore_messages: bool,
     dead_letter_topic: str | None,
     ignore_other_tables: bool,
     exactly_once: bool,
@@ -1189,6 +1254,7 @@ def stream(
         status_interval=status_interval,
         layout=OutboxLayout.from_options(columns, header_columns),
         message_prefix=message_prefix,
+        messages=Messages(messages, ignore_messages, message_writers),
         dead_letter_topic=dead_letter_topic,
         standby=standby,
         ignore_other_tables=ignore_other_tables,

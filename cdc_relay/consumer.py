@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import psycopg
 from psycopg import AsyncConnection, Connection
 
 from cdc_relay.queries import QUERIES
@@ -32,12 +33,20 @@ class KafkaMessage(Protocol):
     def headers(self) -> list[tuple[str, bytes]] | None: ...
 
 
-def event_id(message: KafkaMessage) -> uuid.UUID:
-    """The event id a relay put in the ``id`` header."""
+def event_id(message: KafkaMessage) -> str:
+    """The event id a relay put in the ``id`` header, as it is: a UUID's text with the outbox
+    of schema outbox, any text with ``--column id=COLUMN``."""
     for key, value in message.headers() or ():
         if key == "id":
-            return uuid.UUID(value.decode())
+            return value.decode()
     raise ValueError("message has no 'id' header: it was not published by cdc-relay")
+
+
+_NOT_UUID = (
+    "event id {event!r} is not a UUID, and processed_events.event_id is of type uuid (made by "
+    "an older schema consumer): run ALTER TABLE processed_events ALTER COLUMN event_id TYPE "
+    "text"
+)
 
 
 def first_time(conn: Connection[Any], event: uuid.UUID | str, consumer: str) -> bool:
@@ -46,9 +55,12 @@ def first_time(conn: Connection[Any], event: uuid.UUID | str, consumer: str) -> 
     True the first time; False when it was handled before (the caller skips it). A
     concurrent handler of the same event waits on the row and then sees False.
     """
-    row = conn.execute(
-        QUERIES["claim_event"], {"consumer": consumer, "event_id": str(event)}
-    ).fetchone()
+    try:
+        row = conn.execute(
+            QUERIES["claim_event"], {"consumer": consumer, "event_id": str(event)}
+        ).fetchone()
+    except psycopg.errors.InvalidTextRepresentation:
+        raise ValueError(_NOT_UUID.format(event=str(event))) from None
     return row is not None
 
 
@@ -71,9 +83,12 @@ async def first_time_async(
     conn: AsyncConnection[Any], event: uuid.UUID | str, consumer: str
 ) -> bool:
     """``first_time`` for an ``AsyncConnection``, in the caller's open transaction."""
-    cursor = await conn.execute(
-        QUERIES["claim_event"], {"consumer": consumer, "event_id": str(event)}
-    )
+    try:
+        cursor = await conn.execute(
+            QUERIES["claim_event"], {"consumer": consumer, "event_id": str(event)}
+        )
+    except psycopg.errors.InvalidTextRepresentation:
+        raise ValueError(_NOT_UUID.format(event=str(event))) from None
     return await cursor.fetchone() is not None
 
 

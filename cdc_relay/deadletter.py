@@ -12,6 +12,7 @@ The poller's: rows it gave up on after --max-attempts, parked in the outbox (ret
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -24,11 +25,11 @@ from psycopg.rows import dict_row
 from cdc_relay import store
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.metrics import EVENTS_FAILED
+from cdc_relay.metrics import count_failed
 from cdc_relay.queries import QUERIES
 from cdc_relay.refusals import header, is_culprit, log_refusal
 from cdc_relay.replication import ConnectionLost
-from cdc_relay.routing import Message
+from cdc_relay.routing import Message, TopicTaken
 from cdc_relay.slot import connect
 from cdc_relay.store import refused, resolve
 
@@ -58,6 +59,12 @@ class DeadLetters:
                 "is missing or not writable by this role; run cdc-relay schema apply outbox (and "
                 "grant what cdc-relay schema show roles grants, for a least-privilege role)"
             )
+        if not row["current"]:
+            raise PreflightError(
+                f"table {TABLE} is of an older schema outbox, which keeps one event per id (two "
+                "events of one id, from two tables, would keep the first one's content); run "
+                "cdc-relay schema apply outbox, which keys it by content too"
+            )
 
     def store(self, message: Message, err: KafkaError) -> None:
         """Keep the event with its content; raises ConnectionLost when the database is away
@@ -73,6 +80,7 @@ class DeadLetters:
             "error": err.str(),
             "commit_lsn": format_lsn(message.lsn),
             "slot": self._slot,
+            "content_sha256": content_sha256(message),
         }
         try:
             if self._conn is None or self._conn.closed:
@@ -106,6 +114,18 @@ class DeadLetters:
             self._conn.close()
 
 
+def content_sha256(message: Message) -> bytes:
+    """What tells two dead letters of one id apart (events of two tables may share an id) and
+    a dead letter stored again the same: the SHA-256 of its topic, key, value and headers."""
+    content = [
+        message.topic,
+        None if message.key is None else message.key.hex(),
+        None if message.value is None else message.value.hex(),
+        [[name, value.hex()] for name, value in message.headers],
+    ]
+    return hashlib.sha256(json.dumps(content).encode()).digest()
+
+
 # -- the poller's: rows parked in the outbox ------------------------------------------------
 
 
@@ -130,8 +150,9 @@ def retry_dead_letters(dsn: str, table: str, ids: Sequence[str] | None) -> list[
 
 class DeadLetterRefusals:
     """The stream's refusal policy with ``--dead-letter-topic``: the culprit goes to the
-    dead letters (the table, then the topic) and the stream goes on; everything else is the
-    wrapped policy's (stream.Rewinds). ``deliver_alone`` is the pipeline's: each dead letter
+    dead letters (the table, then the topic) and the stream goes on, and so does an event
+    whose topic another aggregate type made first (routing.TopicTaken); everything else is
+    the wrapped policy's (stream.Rewinds). ``deliver_alone`` is the pipeline's: each dead letter
     goes alone, under the culprit's token, so its acknowledgement moves the checkpointer
     past the event it stands for."""
 
@@ -158,7 +179,10 @@ class DeadLetterRefusals:
         self.policy.cleared(token)
 
     def unroutable(self, token: Any, exc: RelayError) -> None:
-        self.policy.unroutable(token, exc)
+        if isinstance(exc, TopicTaken):  # its topic is another name's: set it aside
+            self.culprit(exc.message, token, KafkaError(KafkaError.TOPIC_EXCEPTION, str(exc)))
+        else:  # no message to set aside (no payload, no table)
+            self.policy.unroutable(token, exc)
 
     def culprit(self, message: Message, token: Any, err: KafkaError) -> None:
         """Keep the event in the table, then send its dead letter: with the payload, or
@@ -177,4 +201,4 @@ class DeadLetterRefusals:
                 "was confirmed: fix the dead-letter topic and restart"
             )
         log_refusal(log.warning, "event sent to the dead-letter topic", message, err)
-        EVENTS_FAILED.labels(relay="stream", event_type=header(message, "event_type")).inc()
+        count_failed("stream", header(message, "event_type"))

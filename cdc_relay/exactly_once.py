@@ -5,8 +5,10 @@ transactional id) to a compacted topic, so Kafka commits the events and the reco
 how far they reach atomically. The checkpoint names a position in the replication stream:
 every unit of the stream (a PostgreSQL transaction, known by the LSN of its commit record, or
 a non-transactional logical decoding message, by its own LSN; the stream holds them in
-that order) up to ``position`` is in, and of the unit at ``partial_position`` (a transaction
-split over several Kafka transactions), the first ``partial_events`` events.
+that order) up to ``position`` is in, and of the unit ``partial`` (a transaction split over
+several Kafka transactions), the first ``partial_events`` events. Two units can share an LSN
+(a non-transactional message ends where the next commit record starts), so a unit is named by
+its LSN and its kind (:class:`Unit`), never by the LSN alone (invariant 11).
 
 The slot is confirmed only after the Kafka commit (the tracker hears of each event's
 acknowledgement at the commit). After a crash, replication resumes from the slot's confirmed
@@ -24,7 +26,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -82,22 +84,53 @@ def check_interval(config: Mapping[str, str], interval: float) -> None:
         )
 
 
+MESSAGE = 0
+"""A unit's kind: a non-transactional message, at the LSN where its WAL record ends."""
+TRANSACTION = 1
+"""A unit's kind: a transaction, at the LSN where its commit record starts."""
+_KINDS = {"message": MESSAGE, "transaction": TRANSACTION}
+
+
+class Unit(NamedTuple):
+    """One unit of the replication stream, by its place (invariant 11).
+
+    A non-transactional message is at the end of its WAL record, which is where the next
+    record starts: when that is a commit record, the message and that transaction share the
+    LSN. The message is decoded when its record is read, the transaction at its commit, so the
+    stream holds the message first: at one LSN, MESSAGE sorts before TRANSACTION, and units
+    compare in stream order."""
+
+    lsn: Lsn
+    kind: int = TRANSACTION
+
+    def __str__(self) -> str:
+        where = format_lsn(self.lsn)
+        return f"the message at {where}" if self.kind == MESSAGE else f"the transaction at {where}"
+
+
+NOWHERE = Unit(0, MESSAGE)
+"""Before the first unit of any stream."""
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """How far the committed Kafka transactions reach in the replication stream, on which
     timeline of the server (0: not known, as in checkpoints written before it was recorded)."""
 
-    position: Lsn = 0
-    partial_position: Lsn = 0
+    position: Unit = NOWHERE
+    partial: Unit = NOWHERE
     partial_events: int = 0
     timeline: int = 0
 
     def encode(self) -> bytes:
+        names = {kind: name for name, kind in _KINDS.items()}
         return json.dumps(
             {
-                "v": 1,
-                "position": self.position,
-                "partial_position": self.partial_position,
+                "v": 2,
+                "position": self.position.lsn,
+                "position_kind": names[self.position.kind],
+                "partial_position": self.partial.lsn,
+                "partial_kind": names[self.partial.kind],
                 "partial_events": self.partial_events,
                 "timeline": self.timeline,
             }
@@ -105,13 +138,26 @@ class Checkpoint:
 
     @classmethod
     def decode(cls, value: bytes) -> Checkpoint:
-        fields = json.loads(value)
-        return cls(
-            int(fields["position"]),
-            int(fields["partial_position"]),
-            int(fields["partial_events"]),
-            int(fields.get("timeline") or 0),
-        )
+        """A checkpoint record; one of version 1, which named a unit by its LSN alone, is read
+        as reaching only the message a position may name: a transaction committing at that
+        LSN is replayed (duplicates, once), never skipped unseen."""
+        try:
+            fields = json.loads(value)
+            return cls(
+                Unit(int(fields["position"]), _KINDS[fields.get("position_kind", "message")]),
+                Unit(
+                    int(fields["partial_position"]), _KINDS[fields.get("partial_kind", "message")]
+                ),
+                int(fields["partial_events"]),
+                int(fields.get("timeline") or 0),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise UnreadableCheckpoint(
+                f"a checkpoint record cannot be read ({type(exc).__name__}: {exc}): it was "
+                "written by a newer cdc-relay or by something else; run the version that "
+                "wrote it, or delete the record (its key is the transactional id) to replay "
+                "from the slot (duplicates for read_committed consumers)"
+            ) from None
 
     def trusted_on(self, timeline: int, confirmed: Lsn) -> Checkpoint:
         """What of this checkpoint a relay on ``timeline`` may skip, its slot confirmed up to
@@ -119,12 +165,26 @@ class Checkpoint:
         anew after a promotion), its positions past the slot's may be the old primary's WAL,
         which the new one never had: skipping there would skip the new primary's own
         transactions. Nothing past the slot's position is skipped then; what Kafka had of it
-        comes again (duplicates, never a loss)."""
+        comes again (duplicates, never a loss). A transaction whose commit record starts at
+        the slot's position comes after it (its end is past it): only a message ends there."""
         if not self.timeline or not timeline or self.timeline == timeline:
             return self
-        if self.partial_position and self.partial_position <= confirmed:
-            return Checkpoint(self.position, self.partial_position, self.partial_events, timeline)
-        return Checkpoint(min(self.position, confirmed), timeline=timeline)
+        if self.partial_events and self.partial.lsn <= confirmed:
+            return Checkpoint(self.position, self.partial, self.partial_events, timeline)
+        return Checkpoint(min(self.position, Unit(confirmed, MESSAGE)), timeline=timeline)
+
+    def describe(self) -> str:
+        """Where it reaches, for the log and ``status``."""
+        text = format_lsn(self.position.lsn)
+        if self.position.kind == MESSAGE and self.position != NOWHERE:
+            text += " (a message)"
+        if self.partial_events:
+            text += f", and {self.partial_events} events of {self.partial}"
+        return text
+
+
+class UnreadableCheckpoint(PreflightError):
+    """The checkpoint topic holds a record of this relay's key that it cannot read."""
 
 
 class Skipper:
@@ -136,10 +196,10 @@ class Skipper:
         self._left = 0  # events of the current unit still to skip
         self._whole = False
 
-    def unit(self, position: Lsn) -> None:
+    def unit(self, unit: Unit) -> None:
         ckpt = self.checkpoint
-        self._whole = position <= ckpt.position
-        self._left = ckpt.partial_events if position == ckpt.partial_position else 0
+        self._whole = unit <= ckpt.position
+        self._left = ckpt.partial_events if unit == ckpt.partial else 0
 
     def skip(self) -> bool:
         if self._whole:
@@ -162,8 +222,8 @@ class Committer:
         self.committed = Checkpoint()
         self.timeline = 0  # the server's, for the checkpoints (0: not known, on a standby)
         self._skipper: Skipper | None = None
-        self._last_full: Lsn = 0  # position of the last unit whose events were all produced
-        self._unit: Lsn = 0  # position of the open unit
+        self._last_full = NOWHERE  # the last unit whose events were all produced
+        self._unit: Unit | None = None  # the open unit
         self._unit_events = 0  # its events produced (or skipped as already in Kafka)
 
     @property
@@ -182,20 +242,20 @@ class Committer:
         """The stream starts again from the slot: what the committed transactions hold is
         skipped."""
         self._skipper = Skipper(self.committed)
-        self._last_full, self._unit, self._unit_events = self.committed.position, 0, 0
+        self._last_full, self._unit, self._unit_events = self.committed.position, None, 0
 
-    def unit_begins(self, position: Lsn) -> None:
+    def unit_begins(self, unit: Unit) -> None:
         """A unit of the stream starts (a transaction at its commit's LSN, or a
         non-transactional message at its own); a replay is over once past the checkpoint."""
-        self._unit, self._unit_events = position, 0
+        self._unit, self._unit_events = unit, 0
         skipper = self._skipper
         if skipper is None:
             return
         checkpoint = skipper.checkpoint
-        if position > checkpoint.position and position > checkpoint.partial_position:
+        if unit > checkpoint.position and unit > checkpoint.partial:
             self._skipper = None
         else:
-            skipper.unit(position)
+            skipper.unit(unit)
 
     def skip(self) -> bool:
         """Whether the next event of the unit is in Kafka already (then counted: a
@@ -209,14 +269,15 @@ class Committer:
         """``events`` more of the unit were produced (negative: taken back)."""
         self._unit_events += events
 
-    def unit_ends(self, position: Lsn | None = None) -> None:
-        """Every event of the open unit (or of the unit at ``position``) was produced."""
-        self._last_full = self._unit if position is None else position
-        self._unit, self._unit_events = 0, 0
+    def unit_ends(self) -> None:
+        """Every event of the open unit was produced (or skipped as in Kafka already)."""
+        if self._unit is not None:
+            self._last_full = self._unit
+        self._unit, self._unit_events = None, 0
 
     def checkpoint(self) -> Checkpoint:
         """How far the events produced so far reach in the stream."""
-        if self._unit and self._unit_events:
+        if self._unit is not None and self._unit_events:
             return Checkpoint(self._last_full, self._unit, self._unit_events, self.timeline)
         return Checkpoint(self._last_full, timeline=self.timeline)
 
@@ -431,8 +492,8 @@ class CheckpointStatus:
         return {
             "transactional_id": self.transactional_id,
             "topic": self.topic,
-            "position": format_lsn(ckpt.position) if ckpt else None,
-            "partial_position": format_lsn(ckpt.partial_position)
+            "position": format_lsn(ckpt.position.lsn) if ckpt else None,
+            "partial_position": format_lsn(ckpt.partial.lsn)
             if ckpt and ckpt.partial_events
             else None,
             "partial_events": ckpt.partial_events if ckpt else None,
@@ -449,13 +510,7 @@ class CheckpointStatus:
         if ckpt is None:
             why = self.absent or "no Kafka transaction with this id has committed yet"
             return f"none {of}: {why}"
-        partial = (
-            f", and {ckpt.partial_events} events of the transaction at "
-            f"{format_lsn(ckpt.partial_position)}"
-            if ckpt.partial_events
-            else ""
-        )
-        return f"{format_lsn(ckpt.position)}{partial} {of}"
+        return f"{ckpt.describe()} {of}"
 
 
 def checkpoint_status(
@@ -467,7 +522,7 @@ def checkpoint_status(
         found = committed_checkpoint(config, eos.checkpoint_topic, eos.transactional_id, timeout)
     except NoCheckpointTopic as exc:
         return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, absent=str(exc))
-    except KafkaUnavailableError as exc:
+    except (KafkaUnavailableError, UnreadableCheckpoint) as exc:
         return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, None, str(exc))
     return CheckpointStatus(eos.transactional_id, eos.checkpoint_topic, found)
 

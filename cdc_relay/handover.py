@@ -27,10 +27,20 @@ from cdc_relay import lineage
 from cdc_relay.batch import Batch, open_batch
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.poller import PollSettings
+from cdc_relay.poller import PollSettings, out_of_seq_order
 from cdc_relay.queries import QUERIES
 from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
-from cdc_relay.store import Outbox, OutboxRow, check_columns, counts, first_line, resolve
+from cdc_relay.store import (
+    FENCES,
+    Outbox,
+    OutboxRow,
+    check_columns,
+    counts,
+    first_line,
+    handover_fence,
+    published_after,
+    resolve,
+)
 
 
 @dataclass
@@ -46,6 +56,7 @@ class _Progress:
 
     published: int = 0  # published (and, where the backlog marks rows, marked processed)
     copying: bool = False  # making the slot permanent: done or not, every row is published
+    out_of_order: int = 0  # published after a later row of their aggregate (a poller's)
 
 
 _ROWS: RowFactory[OutboxRow] = class_row(OutboxRow)
@@ -205,9 +216,15 @@ def publish_then_slot(
             lineage.made(guard, spec.slot, spec.plugin, before, backlog.made, lsn, before.at)
     lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
     marked = " and marked them processed" if backlog.mark else ""
+    late = (
+        f" ({progress.out_of_order} of them out of seq order: a poller had published a later "
+        "event of their aggregate, their transaction committing after it)"
+        if progress.out_of_order
+        else ""
+    )
     lines.append(
-        f"published {progress.published} events {backlog.what.format(lsn=lsn)}{marked}; start "
-        f"cdc-relay stream --slot {spec.slot} for everything after it"
+        f"published {progress.published} events {backlog.what.format(lsn=lsn)}{marked}{late}; "
+        f"start cdc-relay stream --slot {spec.slot} for everything after it"
     )
     return Handover(lines)
 
@@ -231,6 +248,23 @@ def _check_handover(
             "cdc-relay poll (SIGTERM) and run the handover again"
         )
     check_columns(conn, outbox)
+    if not (
+        conn.execute(QUERIES["handover_fences"], {"schema": outbox.table.schema}).fetchone() or {}
+    ).get("present"):
+        raise PreflightError(
+            f"the handover fences the pollers off {outbox.qualified} in table "
+            f"{outbox.table.schema}.{FENCES} of schema poller, which is not there; apply it "
+            f"(cdc-relay schema apply poller, in schema {outbox.table.schema}), then run the "
+            "handover again"
+        )
+    earlier = handover_fence(conn, outbox)
+    if earlier is not None:
+        raise PreflightError(
+            f"{outbox.qualified} was handed over to stream before (slot {earlier['slot']}): "
+            "no row since is marked processed, and a handover now would publish them all "
+            f"again; stream it with slot {earlier['slot']}, or make a lost slot anew with "
+            "setup-slot --republish-since"
+        )
     if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
         raise PreflightError(
             f"slot {spec.slot} exists already, so it cannot start at the poller's last "
@@ -334,6 +368,12 @@ def _switch(
         # Every row is published (and marked): the job is complete once the copy is made, so
         # a signal no longer undoes it.
         interrupts.hold()
+        if backlog.mark:  # before the slot exists: it fences pollers while the slot exists
+            outbox = backlog.outbox
+            guard.execute(
+                outbox.query("fence_pollers", fences=outbox.fences),
+                {"oid": outbox.table.oid, "table_name": outbox.qualified, "slot": spec.slot},
+            )
         progress.copying = True
         try:
             guard.execute(QUERIES["copy_slot"], {"source": temporary, "slot": spec.slot})
@@ -341,7 +381,21 @@ def _switch(
             # The answer was lost, not necessarily the copy.
             if not _slot_exists(settings.dsn, spec.slot):
                 raise
+            if backlog.mark:
+                with connect(settings.dsn) as again:
+                    _handed_over(again, backlog.outbox, lsn)
+        else:
+            if backlog.mark:
+                _handed_over(guard, backlog.outbox, lsn)
     return lsn
+
+
+def _handed_over(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox, lsn: str) -> None:
+    """The handover's slot is made: its fence holds from now on, whatever becomes of the
+    slot (before, it fenced the pollers off only while the slot existed)."""
+    conn.execute(
+        outbox.query("handed_over", fences=outbox.fences), {"oid": outbox.table.oid, "lsn": lsn}
+    )
 
 
 def _slot_exists(dsn: str, slot: str) -> bool:
@@ -362,11 +416,17 @@ def _publish_all(
     mark = backlog.outbox.query("mark_processed")
 
     def publish(batch: Sequence[OutboxRow]) -> None:
+        # A row a poller published a later row of its aggregate before goes out after it.
+        late = published_after(marker, backlog.outbox, [row.id for row in batch])
         publisher.publish(batch)
         acked = [batch[i].id for i in sorted(publisher.delivered)]
         if acked and backlog.mark:
             marker.execute(mark, {"ids": acked})
         progress.published += len(acked)
+        for i in sorted(publisher.delivered):
+            if batch[i].id in late:
+                progress.out_of_order += 1
+                out_of_seq_order(batch[i], late[batch[i].id], "handover")
 
     while batch := rows.fetchmany(settings.batch_size):
         backlog.outbox.check_payload(batch)

@@ -24,12 +24,36 @@ EVENTS_PUBLISHED = Counter(
 )
 EVENTS_FAILED = Counter(
     "outbox_events_failed",
-    "Events Kafka refused (the stream relay stops; the poller retries, then dead-letters).",
+    "Events Kafka refused (the stream relay stops; the poller retries, then dead-letters), by "
+    "event_type: the first 100 types seen by the process, then '(other)'.",
     ["relay", "event_type"],
 )
+EVENT_TYPE_LABELS = 100
+"""How many event types get a series of their own: the label is the application's data,
+and a series per value would grow without bound."""
+_event_types: set[str] = set()
+_event_types_lock = threading.Lock()
+
+
+def count_failed(relay: str, event_type: str) -> None:
+    """One more event Kafka refused (EVENTS_FAILED), under its event type while fewer than
+    EVENT_TYPE_LABELS types have been seen, under ``(other)`` after that."""
+    with _event_types_lock:
+        if event_type not in _event_types and len(_event_types) < EVENT_TYPE_LABELS:
+            _event_types.add(event_type)
+        label = event_type if event_type in _event_types else "(other)"
+    EVENTS_FAILED.labels(relay=relay, event_type=label).inc()
+
+
 EVENTS_PENDING = Gauge(
     "outbox_events_pending",
     "Events not yet acknowledged: the poller's unprocessed rows, the stream's events in flight.",
+)
+OUT_OF_SEQ_ORDER = Counter(
+    "outbox_events_out_of_seq_order",
+    "Events published after a later event (higher seq) of their aggregate: their transaction "
+    "committed after that one went out.",
+    ["relay"],
 )
 DEAD_LETTERS = Gauge(
     "outbox_dead_letters",
@@ -92,6 +116,11 @@ SHARD = Gauge(
     "1, labelled with the shard this relay streams (stream --shard K/N): join it with the "
     "relay's other metrics on the instance to see them per shard.",
     ["shard", "shards"],
+)
+MESSAGES_IGNORED = Counter(
+    "cdc_relay_messages_ignored",
+    "Logical decoding messages of the outbox prefix passed over by stream --ignore-messages "
+    "(without --messages a message is no event): each is logged with its event id.",
 )
 CONNECTED = Gauge(
     "cdc_relay_connected",

@@ -37,7 +37,8 @@ def write_event(
 ) -> uuid.UUID:
     """Write one event; it reaches Kafka if, and only if, the caller's transaction commits.
 
-    By default a row of ``table`` (which may be schema-qualified); with ``as_message`` a
+    By default a row of ``table`` (which may be schema-qualified, and is read as ``--table``
+    is: ``table_name``); with ``as_message`` a
     transactional logical decoding message with ``prefix`` (``outbox_emit()`` of
     cdc-relay schema outbox), which stores nothing. ``payload`` is any JSON-serialisable value.
     Returns the event id, the consumers' deduplication key.
@@ -93,5 +94,51 @@ def statement(
     }
     if as_message:
         return sql.SQL(QUERIES["emit_event"]), params
-    query = sql.SQL(QUERIES["insert_event"]).format(table=sql.Identifier(*table.split(".", 1)))
+    query = sql.SQL(QUERIES["insert_event"]).format(table=sql.Identifier(*table_name(table)))
     return query, params
+
+
+_NAME_BYTES = 63  # PostgreSQL's NAMEDATALEN - 1: longer names are cut to it
+
+
+def table_name(name: str) -> tuple[str, ...]:
+    """The parts of a (schema-qualified) table name as PostgreSQL reads a name given as text,
+    as ``--table`` is (to_regclass): separated by dots, blanks around each part ignored, a
+    part in double quotes kept as it is (``""`` a quote), any other folded to lower case;
+    each cut to 63 bytes. So a helper writes into the table the relays read. ValueError for
+    a name PostgreSQL would refuse."""
+    parts: list[str] = []
+    i, end = 0, len(name)
+    while True:
+        while i < end and name[i].isspace():
+            i += 1
+        if i < end and name[i] == '"':
+            part, i = _quoted(name, i + 1)
+        else:
+            start = i
+            while i < end and name[i] != "." and not name[i].isspace():
+                i += 1
+            part = "".join(c.lower() if "A" <= c <= "Z" else c for c in name[start:i])
+        if not part:
+            raise ValueError(f"{name!r} is not a table name: an empty part")
+        parts.append(part.encode()[:_NAME_BYTES].decode(errors="ignore"))
+        while i < end and name[i].isspace():
+            i += 1
+        if i == end:
+            return tuple(parts)
+        if name[i] != ".":
+            raise ValueError(f"{name!r} is not a table name: {name[i]!r} after a part")
+        i += 1
+
+
+def _quoted(name: str, i: int) -> tuple[str, int]:
+    """A quoted part from after its opening quote; the part and where it ends."""
+    part = []
+    while True:
+        close = name.find('"', i)
+        if close < 0:
+            raise ValueError(f"{name!r} is not a table name: a quote is not closed")
+        part.append(name[i:close])
+        if name[close + 1 : close + 2] != '"':
+            return '"'.join(part), close + 1
+        i = close + 2

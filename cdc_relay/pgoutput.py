@@ -243,3 +243,11 @@ def decode(message: bytes) -> Record:
     record = decoder(reader)
     reader.done()
     return record
+
+
+def publication_names(*names: str) -> str:
+    """The ``publication_names`` option for ``names``: pgoutput reads it as a list of SQL
+    identifiers, folding an unquoted one to lower case and splitting at commas, so each
+    name goes quoted (``OutboxPub`` unquoted asks for ``outboxpub``, which PostgreSQL 15
+    refuses at the first change and 18 skips with a warning, losing the change)."""
+    return ",".join('"' + name.replace('"', '""') + '"' for name in names)

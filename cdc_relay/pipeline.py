@@ -181,6 +181,14 @@ class Pipeline:
                 return err
             self._after_alone()
             while self._lone_result is _PENDING:
+                if not self.sink.in_flight():
+                    # Neither in flight nor answered: the Kafka transaction that held it was
+                    # aborted after Kafka took it (exactly once: its checkpoint record was
+                    # refused). No report will come; the stream replays it.
+                    raise ConnectionLost(
+                        "Kafka aborted the transaction of an event sent alone after taking "
+                        "it; replaying from the last committed checkpoint"
+                    )
                 self._flush()  # nothing else is in flight: no refusal but its own
             return self._lone_result if isinstance(self._lone_result, KafkaError) else None
         finally:

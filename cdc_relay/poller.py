@@ -28,18 +28,18 @@ on, handover.py hands over to ``stream``, prune.py prunes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psycopg
-from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from cdc_relay.batch import open_batch
+from cdc_relay.batch import open_batch, poll_router
 from cdc_relay.config import RelaySettings
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -47,11 +47,14 @@ from cdc_relay.metrics import (
     DEAD_LETTERS,
     EVENTS_PENDING,
     EVENTS_PUBLISHED,
+    OUT_OF_SEQ_ORDER,
     Health,
+    count_failed,
 )
 from cdc_relay.pipeline import WAIT
 from cdc_relay.queries import QUERIES
 from cdc_relay.replication import ConnectionLost
+from cdc_relay.sink import kafka_sink
 from cdc_relay.slot import connect
 from cdc_relay.stages import Claims, OpenSink, OpenStore, OutboxStore
 from cdc_relay.store import (
@@ -61,6 +64,7 @@ from cdc_relay.store import (
     OutboxRow,
     PgStore,
     check_columns,
+    check_fence,
     check_lock_room,
     first_line,
     kind,
@@ -151,13 +155,17 @@ class Worker:
         shard: int,
         claims: Claims,
         outbox: Outbox,
-        open_sink: OpenSink | None,
+        open_sink: OpenSink,
     ) -> None:
         self.relay = relay
         self.settings = relay.settings
         self.shard = shard
         self.batch = open_batch(
-            relay.settings, open_sink, tick=relay.health.beat, give_up=self._give_up
+            relay.settings,
+            open_sink,
+            tick=self._tick,
+            give_up=self._give_up,
+            router=relay.router,
         )
         self.claims = claims
         self.outbox = outbox
@@ -168,6 +176,7 @@ class Worker:
         self._skip: list[int] = []
         self._stopping_since: float | None = None
         self._failures = 0  # failed cycles in a row
+        self._holding = False  # inside a claim's transaction
         self.thread = threading.Thread(target=self._run, name=f"poll-worker-{shard}")
 
     def _run(self) -> None:
@@ -201,8 +210,17 @@ class Worker:
 
     def recover(self, exc: ConnectionLost) -> None:
         """After a lost connection: PostgreSQL released the claim, so whatever the producer
-        still holds may be claimed again; wait (bounded) for it to settle, then back off."""
+        still holds may be claimed, and published, by another poller, with newer rows of the
+        same aggregates; drop it rather than deliver it after those. Then back off."""
         self._failures += 1
+        dropped = self.batch.abandon()
+        if dropped:
+            log.warning(
+                "dropped %d messages Kafka had not acknowledged: PostgreSQL released their "
+                "claim, so they are published again by whichever poller claims their rows",
+                dropped,
+                extra={"action": "claim_released"},
+            )
         delay = backoff(self._failures, _RECONNECT_BASE, _RECONNECT_MAX)
         if isinstance(exc, _DatabaseLost) and exc.read_only:
             log.warning(
@@ -222,7 +240,6 @@ class Worker:
                 extra={"action": "disconnected"},
             )
         self.claims.close()
-        self.batch.pipeline.settle()  # raises Stopping once a stop's grace is over
         self.relay.health.beat()  # waiting on purpose: a restart would not help
         self.relay.stopping.wait(delay)
 
@@ -232,6 +249,17 @@ class Worker:
     def shutdown(self) -> None:
         self.claims.close()
         self.released += self.batch.sink.close()
+
+    def _tick(self) -> None:
+        """What the worker does while it waits for Kafka: beat, and look whether PostgreSQL
+        has ended the session holding the claim. Kafka may stay away for long, and a claim
+        PostgreSQL released (the session terminated, idle_in_transaction_session_timeout)
+        is then another poller's: the wait ends (recover drops what the producer holds)."""
+        self.relay.health.beat()
+        if self._holding and self.claims.lost():
+            raise ConnectionLost(
+                "PostgreSQL ended the session holding the claim while Kafka had not answered"
+            )
 
     def _give_up(self) -> bool:
         """Whether to stop waiting for Kafka: a stop was requested and its grace has run out."""
@@ -247,7 +275,7 @@ class Worker:
         claims = self.claims
         claims.open()  # a batch's duration does not count connecting
         started = time.monotonic()
-        with claims.transaction():
+        with claims.transaction(), self._claim_held():
             keys = claims.claim_aggregates(
                 settings.batch_size, self.shard, settings.workers, self._skip
             )
@@ -258,8 +286,9 @@ class Worker:
             if not rows:
                 return 0
             self.outbox.check_payload(rows)
+            late = claims.published_after([row.id for row in rows])
             complete = self.batch.publish(rows)
-            self._mark(rows)
+            self._mark(rows, late)
         BATCH_DURATION.observe(time.monotonic() - started)
         if not complete:
             # Stopping with reports outstanding: those rows stay unprocessed and unlocked, and
@@ -272,6 +301,14 @@ class Worker:
                 extra={"action": "batch_released"},
             )
         return len(rows)
+
+    @contextlib.contextmanager
+    def _claim_held(self) -> Iterator[None]:
+        self._holding = True
+        try:
+            yield
+        finally:
+            self._holding = False
 
     def _held_back(self, keys: list[int], rows: list[OutboxRow]) -> list[OutboxRow]:
         """The claimed rows that may go: claim skips a row another transaction locks (waiting
@@ -286,7 +323,7 @@ class Worker:
         self._skip = sorted(set(keys) - {row.key for row in rows if row.key is not None})
         return rows
 
-    def _mark(self, rows: Sequence[OutboxRow]) -> None:
+    def _mark(self, rows: Sequence[OutboxRow], late: dict[str, int]) -> None:
         batch = self.batch
         settings = self.settings
         if batch.delivered:
@@ -294,6 +331,9 @@ class Worker:
             self.claims.mark_processed(ids)
             self.counts.published += len(ids)
             EVENTS_PUBLISHED.labels(relay="poll").inc(len(ids))
+            for i in sorted(batch.delivered):
+                if rows[i].id in late:
+                    out_of_seq_order(rows[i], late[rows[i].id], "poll")
         if not batch.failures:
             return
         failed = [rows[i] for i in batch.failures]
@@ -309,6 +349,8 @@ class Worker:
             settings.max_attempts,
         )
         self.counts.failed += len(failed)
+        for row in failed:
+            count_failed("poll", row.event_type)
         for row, delay, error, its_own in zip(
             failed, delays, batch.failures.values(), own, strict=True
         ):
@@ -348,6 +390,25 @@ class Worker:
                 )
 
 
+def out_of_seq_order(row: OutboxRow, after: int, relay: str) -> None:
+    """Say and count that ``row`` went out after the event of seq ``after`` of its aggregate
+    (README.md, "Order per aggregate on each path")."""
+    OUT_OF_SEQ_ORDER.labels(relay=relay).inc()
+    log.warning(
+        "event %s went out after event seq %d of its aggregate, out of seq order (its seq is "
+        "%s): its transaction committed after that one was published",
+        row.id,
+        after,
+        row.seq,
+        extra={
+            "action": "out_of_seq_order",
+            "event_id": row.id,
+            "event_type": row.event_type,
+            "aggregate_id": row.aggregate_id,
+        },
+    )
+
+
 class PollRelay:
     """Runs the workers and the listener until stopped; raises what stopped a worker.
 
@@ -371,7 +432,10 @@ class PollRelay:
         self.stopping = threading.Event()
         self.wake = Wake()
         self._open_store = open_store
-        self._open_sink = open_sink
+        # One for all workers: what their sinks learn of Kafka's topics (sink.kafka_sink).
+        self._open_sink = open_sink or kafka_sink(settings.kafka_config, relay="poll")
+        # One for all workers: which aggregate type each topic is of (routing.Router).
+        self.router = poll_router(settings)
         self._error: BaseException | None = None  # what stopped a worker
         self._error_lock = threading.Lock()
         self._listening = False
@@ -457,26 +521,38 @@ class PollRelay:
             outbox = resolve(conn, self.settings.table)
             check_columns(conn, outbox)
             trigger = conn.execute(QUERIES["poll_trigger"], {"oid": outbox.table.oid})
-            if not (trigger.fetchone() or {}).get("present"):
+            found = trigger.fetchone() or {}
+            if not found.get("current"):
                 log.warning(
-                    "no trigger notifies the pollers of new rows in %s; new events wait up to "
+                    "%s notifies the pollers of new rows in %s; new events wait up to "
                     "--poll-interval (%gs): run cdc-relay schema apply poller",
+                    "an older version of the trigger of schema poller, on another channel,"
+                    if found.get("present")
+                    else "no trigger",
                     outbox.qualified,
                     self.settings.poll_interval,
                     extra={"action": "no_trigger"},
                 )
+            if not outbox.published_index:
+                log.warning(
+                    "no index on (aggregate_type, aggregate_id, seq) of the processed rows of "
+                    "%s: rows published after a later row of their aggregate are not counted "
+                    "(outbox_events_out_of_seq_order_total); run cdc-relay schema apply poller",
+                    outbox.qualified,
+                    extra={"action": "no_order_index"},
+                )
             check_lock_room(conn, self.settings.workers, self.settings.batch_size)
             take_poll_lock(conn, outbox)  # refused now rather than after connecting to Kafka
+            check_fence(conn, outbox)
         return outbox
 
     def _listen(self, outbox: Outbox) -> None:
         """Turn notifications into wake-ups; reconnect when the connection drops."""
-        listen = sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(outbox.channel))
         failures = 0  # connection failures in a row
         while not self.stopping.is_set():
             try:
                 with psycopg.connect(self.conninfo, autocommit=True) as conn:
-                    conn.execute(listen)
+                    conn.execute(outbox.listen)
                     self._listening = True
                     self.wake.notify()  # whatever was written while nobody listened
                     failures = 0

@@ -21,7 +21,7 @@ from confluent_kafka import KafkaError
 
 from cdc_relay.errors import DeliveryError
 from cdc_relay.lsn import format_lsn
-from cdc_relay.metrics import EVENTS_FAILED
+from cdc_relay.metrics import count_failed
 from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,9 @@ _REMEDIES = {
     "or pass --dead-letter-topic",
     KafkaError.INVALID_RECORD: "the topic refuses this record (a compacted topic needs a key: "
     "give the event an aggregate_id), or pass --dead-letter-topic",
+    # Kafka will not create the topic (cdc_relay.topics): no restart changes that.
+    KafkaError.TOPIC_EXCEPTION: "pass --dead-letter-topic to set such events aside, and give "
+    "new events a topic Kafka accepts (another aggregate type, or another --topic-template)",
 }
 
 
@@ -134,7 +137,7 @@ def refusal_error(message: Message, err: KafkaError, relay: str) -> DeliveryErro
     remedy = _REMEDIES.get(
         err.code(), "fix the cause and restart the relay; it resumes from this event"
     )
-    EVENTS_FAILED.labels(relay=relay, event_type=event_type).inc()
+    count_failed(relay, event_type)
     log_refusal(log.error, "event refused", message, err)
     return DeliveryError(
         f"Kafka refused event {event_id} ({event_type}, aggregate {aggregate_id}) "

@@ -31,7 +31,15 @@ _STATUS = struct.Struct("!cQQQq?")  # 'r', written, flushed, applied, client clo
 
 
 class ConnectionLost(RelayError):
-    """The replication connection broke; the relay reconnects."""
+    """The replication connection broke; the relay reconnects. ``server_error``: the server
+    ended the stream with an ERROR of its own (which may come again on every attempt), not
+    a connection that failed."""
+
+    def __init__(self, message: str, server_error: bool = False) -> None:
+        # libpq's text may run over lines (ERROR, then CONTEXT, DETAIL): one line, as every
+        # message of the relay's is.
+        super().__init__(" ".join(line.strip() for line in message.splitlines() if line.strip()))
+        self.server_error = server_error
 
 
 # Per message: plain slotted dataclasses, never changed once made (a frozen one costs four
@@ -140,7 +148,9 @@ class ReplicationConnection:
                 )
             if sqlstate == b"55000":  # object_not_in_prerequisite_state: invalidated
                 raise PreflightError(self._unusable(slot, message))
-            raise ConnectionLost(f"START_REPLICATION failed: {message}")
+            raise ConnectionLost(
+                f"START_REPLICATION failed: {message}", server_error=result is not None
+            )
 
     def _unusable(self, slot: str, message: str) -> str:
         """Why the server refused to stream ``slot`` (SQLSTATE 55000), in one line: read from
@@ -230,9 +240,12 @@ class ReplicationConnection:
     def _raise_end(self) -> None:
         result = self._conn.get_result()
         message = _error_text(self._conn)
-        if result is not None and result.status == pq.ExecStatus.FATAL_ERROR:
+        server_error = result is not None and result.status == pq.ExecStatus.FATAL_ERROR
+        if result is not None and server_error:
             message = (result.error_message or b"").decode(errors="replace").strip() or message
-        raise ConnectionLost(f"replication stream ended: {message or 'server closed it'}")
+        raise ConnectionLost(
+            f"replication stream ended: {message or 'server closed it'}", server_error
+        )
 
 
 def _error_text(conn: pq.abc.PGconn) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 import string
+import threading
 from dataclasses import dataclass
 
 from cdc_relay.cloudevents import CloudEvents
@@ -35,6 +36,16 @@ class Message:
     value: bytes | None
     headers: list[tuple[str, bytes]]
     lsn: Lsn = 0  # where the event was committed (0 when not from a slot); never sent
+
+
+class TopicTaken(SchemaError):
+    """Two names the template made are one topic once made legal (``legal_topic``): the
+    second the router met is refused. ``message`` is where its event would have gone, for a
+    dead letter."""
+
+    def __init__(self, text: str, message: Message) -> None:
+        super().__init__(text)
+        self.message = message
 
 
 def legal_topic(name: str) -> str:
@@ -147,6 +158,16 @@ class Router:
         self._cloudevents = cloudevents
         self._by_table = bool(fields)  # the topic depends on the table too
         self._topics: dict[tuple[object, ...], str] = {}
+        # Each topic made, with the name the template made it from (and the aggregate type
+        # in it): a topic is one name's. Kept for every topic, not bounded like the cache:
+        # there are no more of them than topics in Kafka.
+        self._names: dict[str, tuple[str, str]] = {}
+        # The template names the aggregate type only: a refusal names the two types.
+        self._by_type = {name for _, name, _, _ in _fields(topic_template) if name} == {
+            "aggregate_type"
+        }
+        # Several poll workers share a router: two names must not take one topic at once.
+        self._lock = threading.Lock()
 
     def route(self, event: OutboxEvent) -> Message:
         # First: it refuses an event without the attributes CloudEvents requires.
@@ -165,14 +186,20 @@ class Router:
             self._topics.get((event.aggregate_type, event.event_type, event.source))
             if self._by_table
             else self._topics.get((event.aggregate_type, event.event_type))
-        ) or self.topic(event)
-        return Message(
+        )
+        taken = None
+        if topic is None:
+            topic, taken = self._topic(event)
+        message = Message(
             topic,
             None if event.aggregate_id is None else event.aggregate_id.encode(),
             event.payload if event.payload else self._value(event),
             headers,
             event.commit_lsn,
         )
+        if taken is not None:
+            raise TopicTaken(taken, message)
+        return message
 
     def _value(self, event: OutboxEvent) -> bytes | None:
         if event.payload:
@@ -187,7 +214,8 @@ class Router:
             )
         return event.payload  # empty: published as an empty value
 
-    def topic(self, event: OutboxEvent) -> str:
+    def _topic(self, event: OutboxEvent) -> tuple[str, str | None]:
+        """The topic of ``event``, and why it is refused (None: it is not)."""
         cache_key: tuple[object, ...] = (event.aggregate_type, event.event_type)
         schema = table = ""
         if self._by_table:
@@ -202,15 +230,43 @@ class Router:
             cache_key = (*cache_key, event.source)
             schema, table = event.source
         topic = self._topics.get(cache_key)
-        if topic is None:
-            topic = legal_topic(
-                self._template.format(
-                    aggregate_type=event.aggregate_type,
-                    event_type=event.event_type,
-                    schema=schema,
-                    table=table,
-                )
-            )
+        if topic is not None:
+            return topic, None
+        name = self._template.format(
+            aggregate_type=event.aggregate_type,
+            event_type=event.event_type,
+            schema=schema,
+            table=table,
+        )
+        topic = legal_topic(name)
+        with self._lock:
+            first = self._names.setdefault(topic, (name, event.aggregate_type))
+            if first[0] != name:
+                # Not cached: each of its events is refused, and says so.
+                return topic, self._taken(event, topic, name, first)
             if len(self._topics) < 10_000:  # bounded: aggregate types are few in practice
                 self._topics[cache_key] = topic
-        return topic
+        return topic, None
+
+    def _taken(self, event: OutboxEvent, topic: str, name: str, first: tuple[str, str]) -> str:
+        """Why ``event`` may not go to ``topic``, which ``first`` (a name and its aggregate
+        type) made before ``name``: its consumers would take the two for one. Which came
+        first is this router's memory, not Kafka's: a restarted relay may meet them the
+        other way round."""
+        if self._by_type:
+            both = (
+                f"aggregate types {event.aggregate_type!r} and {first[1]!r} both make topic {topic}"
+            )
+        else:
+            both = (
+                f"--topic-template {self._template!r} makes topic {topic} of {name!r} and of "
+                f"{first[0]!r}"
+            )
+        return (
+            f"{both} (characters Kafka does not allow in a topic name become _), and one "
+            f"topic must not mix them unnoticed: event {event.id} ({event.event_type}, "
+            f"aggregate {event.aggregate_id}), of the second this relay met, is refused. "
+            "Rename one of them, or make --topic-template keep them apart; events already "
+            "written keep their name: stream sets them aside with --dead-letter-topic, poll "
+            "after --max-attempts"
+        )

@@ -18,9 +18,11 @@ from cdc_relay.queries import QUERIES
 SCHEMAS = {
     "outbox": "the outbox table, the stream's dead-letter table, the slots' lineage table and "
     "outbox_emit()",
-    "poller": "what cdc-relay poll adds to the outbox: its NOTIFY trigger, the dead-letter view",
+    "poller": "what cdc-relay poll adds to the outbox: its NOTIFY trigger, the dead-letter view, "
+    "the handovers' fences",
     "consumer": "processed_events, for idempotent consumers (cdc_relay.consumer)",
-    "roles": "least-privilege roles for stream and poll: a psql script, run by a superuser",
+    "roles": "least-privilege roles for stream, poll and prune, and the writer role: a psql "
+    "script, run by a superuser",
 }
 APPLICABLE = ("outbox", "poller", "consumer")
 OUTBOX_TABLE = "outbox_events"
@@ -28,8 +30,8 @@ OUTBOX_TABLE = "outbox_events"
 
 ROLES_HOWTO = (
     'cdc-relay schema show roles | psql "$ADMIN_DSN" -v ON_ERROR_STOP=1 -f -   '
-    "(psql 15 or newer; the passwords come from CDC_RELAY_STREAM_PASSWORD and "
-    "CDC_RELAY_POLLER_PASSWORD in psql's environment)"
+    "(psql 15 or newer; the passwords come from CDC_RELAY_STREAM_PASSWORD, "
+    "CDC_RELAY_POLLER_PASSWORD and CDC_RELAY_PRUNER_PASSWORD in psql's environment)"
 )
 
 

@@ -125,11 +125,37 @@ class StartAfterCut:
 
     @classmethod
     def from_comment(cls, comment: str | None, shard: Shard) -> StartAfterCut | None:
+        """Where ``shard`` starts, from its publication's comment; None if it names no cut
+        or another shard."""
+        found = cls.of_comment(comment)
+        return found[1] if found is not None and found[0] == shard else None
+
+    @classmethod
+    def of_comment(cls, comment: str | None) -> tuple[Shard, StartAfterCut] | None:
+        """The shard a publication's comment is written for, and where it starts; None if
+        the comment names no cut."""
         match = _CUT_COMMENT.fullmatch(comment or "")
-        if not match or (int(match[1]), int(match[2])) != (shard.index, shard.count):
+        if not match:
+            return None
+        try:
+            shard = Shard(int(match[1]), int(match[2]))
+        except UsageError:
             return None
         lsn = (int(match[4], 16) << 32) | int(match[5], 16) if match[4] else None
-        return cls(match[3], lsn)
+        return shard, cls(match[3], lsn)
+
+
+def shard_named(name: str, base: str) -> Shard | None:
+    """The shard whose slot or publication ``name`` is, of the base name ``base``
+    (:meth:`Shard.name` read back); None for another name."""
+    match = re.fullmatch(re.escape(base) + r"_(\d{1,4})of(\d{1,4})", name)
+    if not match:
+        return None
+    try:
+        shard = Shard(int(match[1]), int(match[2]))
+    except UsageError:
+        return None
+    return shard if shard.name(base) == name else None  # no leading zeros
 
 
 # -- PostgreSQL's hashtext ---------------------------------------------------------------------

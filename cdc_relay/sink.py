@@ -11,14 +11,16 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
 from cdc_relay.outage import KAFKA
+from cdc_relay.overdue import Overdue
 from cdc_relay.routing import Message
+from cdc_relay.topics import Topics, collides
 
 log = logging.getLogger(__name__)
 # librdkafka's own lines, through our handlers instead of raw stderr
@@ -89,6 +91,12 @@ _REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
 _CONNECTION_FAILED = (KafkaError._TRANSPORT, KafkaError._RESOLVE)
 
 
+# Kafka does not know the topic (an answer about the topic, not about the message).
+_UNKNOWN_TOPIC = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
+_LIST_TIMEOUT = 2.0  # seconds a listing of Kafka's topics may hold up the loop
+_LIST_AGAIN = 5.0  # seconds before Kafka's topics are asked for again, after no answer
+
+
 def _reason(err: KafkaError) -> str:
     """librdkafka's text without the broker's name before it and the timing after it."""
     return re.sub(r"^\S+/\S+: | \(after \d+ms in state \w+.*\)$", "", err.str())
@@ -104,10 +112,26 @@ def kafka_sink(
     """What opens the idempotent producer's sink for ``config`` from its two report callbacks
     (stages.OpenSink): the default sink of every relay."""
 
+    topics = Topics()  # shared by the sinks it opens: a poll relay's workers
+
     def open_sink(acked: Acked, refused: Refused) -> KafkaSink:
-        return KafkaSink(config, on_ack=acked, on_refused=refused, relay=relay)
+        return KafkaSink(config, on_ack=acked, on_refused=refused, relay=relay, topics=topics)
 
     return open_sink
+
+
+def _collision(topic: str, other: str) -> KafkaError:
+    """The refusal of an event for ``topic``, which Kafka will not create (cdc_relay.topics):
+    the broker's own answer to the creation, INVALID_TOPIC_EXCEPTION, with its reason."""
+    return KafkaError(
+        KafkaError.TOPIC_EXCEPTION,
+        f"topic {topic} collides with existing topic {other}: Kafka takes '.' and '_' in a "
+        "topic name for the same, and does not create it",
+    )
+
+
+def _header(headers: list[tuple[str, bytes]], name: str) -> str:
+    return next((v.decode(errors="replace") for k, v in headers if k == name), "?")
 
 
 class KafkaSink:
@@ -119,15 +143,31 @@ class KafkaSink:
     What a refusal means is the caller's to decide (cdc_relay.refusals). After a refused
     batch the producer stops (the gapless guarantee) and fails what it still holds; the next
     ``offer`` once nothing is outstanding starts a new producer.
+
+    Before the first event of a topic, ``topics`` (shared by the sinks of one relay) checks
+    that Kafka can have it (cdc_relay.topics); an event Kafka has not answered for in
+    ``overdue.OVERDUE`` seconds is named in a warning, with the reason if its topic's
+    metadata tells it (cdc_relay.overdue).
     """
 
     def __init__(
-        self, config: Mapping[str, str], on_ack: Acked, on_refused: Refused, relay: str = "stream"
+        self,
+        config: Mapping[str, str],
+        on_ack: Acked,
+        on_refused: Refused,
+        relay: str = "stream",
+        topics: Topics | None = None,
     ) -> None:
         self._config = dict(config)
         self._relay = relay
         self._on_ack = on_ack
         self._on_refused = on_refused
+        self._topics = topics or Topics()
+        self._checked = self._topics.checked  # read per event
+        self._unlisted = -_LIST_AGAIN  # when Kafka last did not list its topics
+        # A message of each topic watched for Kafka's answer: its key and headers.
+        self._overdue: Overdue[tuple[bytes | None, list[tuple[str, bytes]]]] = Overdue()
+        self._watched = self._overdue.watched  # read per event
         self.failure: DeliveryError | None = None
         self.connected = False
         # The producer stopped after a refused batch: a new one takes over once it is empty.
@@ -155,6 +195,7 @@ class KafkaSink:
         old = self._producer
         old.purge()
         old.flush(0)  # serves the purged messages' reports
+        self._overdue.clear()  # a report that did not come by now never will
         self._producer = self._new_producer()
         self.broken = False
 
@@ -204,10 +245,23 @@ class KafkaSink:
         """Hand a message to the producer; False when its queue is full (poll, then retry).
 
         A message the client refuses (larger than message.max.bytes, ...) is reported to
-        ``on_refused`` before this returns True.
+        ``on_refused`` before this returns True; so is one whose topic Kafka cannot create
+        (cdc_relay.topics).
         """
         if self.broken and not len(self._producer):
             self.renew()
+        topic = message.topic
+        if topic not in self._checked:
+            other = self._topics.collision(topic, self._list_topics)
+            if other is not None:
+                self._on_refused(token, _collision(topic, other))
+                return True
+        watch = topic not in self._watched
+        if watch:
+            self._overdue.watch(topic, (message.key, message.headers))
+            report = functools.partial(self._watched_report, token)
+        else:
+            report = functools.partial(self._delivered, token)
         try:
             # Every argument by position, in the order of produce's signature (topic, value,
             # key, partition, callback, on_delivery, timestamp, headers): the C extension
@@ -215,20 +269,37 @@ class KafkaSink:
             # the relay's per event (bench/README.md). -1 is librdkafka's "any partition" (the
             # partitioner's choice) and 0 "no timestamp", the defaults the keywords left.
             self._producer.produce(
-                message.topic,
+                topic,
                 message.value,
                 message.key,
                 -1,
-                functools.partial(self._delivered, token),
+                report,
                 None,
                 0,
                 message.headers,  # type: ignore[arg-type]
             )
         except BufferError:
+            if watch:
+                self._overdue.answered(topic)
             return False
         except KafkaException as exc:
+            if watch:
+                self._overdue.answered(topic)
             self._on_refused(token, exc.args[0])
         return True
+
+    def _list_topics(self) -> Collection[str] | None:
+        """Kafka's topics; None when it does not answer, and then for a while without asking
+        (the loop must not wait for it at each event of the topic)."""
+        now = time.monotonic()
+        if KAFKA.down or now - self._unlisted < _LIST_AGAIN:
+            return None
+        try:
+            topics: Collection[str] = self._producer.list_topics(timeout=_LIST_TIMEOUT).topics
+        except KafkaException:
+            self._unlisted = now
+            return None
+        return topics
 
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; raise DeliveryError if the producer failed for good."""
@@ -236,6 +307,8 @@ class KafkaSink:
             self._producer.poll(timeout)
         except KafkaException as exc:
             self._on_fatal(exc.args[0])
+        if self._watched:
+            self._look()
         if self.failure is not None:
             raise self.failure
 
@@ -258,6 +331,65 @@ class KafkaSink:
             self._producer.flush(timeout)
         except KafkaException as exc:
             self._on_fatal(exc.args[0])
+        if self._watched:
+            self._look()
+
+    def _look(self) -> None:
+        """Name an event Kafka has not answered for, when it waited too long."""
+        if not len(self._producer):
+            self._overdue.clear()  # a report that did not come by now never will
+            return
+        if KAFKA.down:
+            return  # the outage's lines say why everything waits
+        late = self._overdue.due()
+        if late is None:
+            return
+        waited, topic, (key, headers) = late
+        why = self._why(topic)
+        log.warning(
+            "event %s (%s, aggregate %s) for topic %s has waited %.0f s for Kafka's answer: %s "
+            "(%d awaiting Kafka's answer in all)",
+            _header(headers, "id"),
+            _header(headers, "event_type"),
+            key.decode(errors="replace") if key is not None else None,
+            topic,
+            waited,
+            why,
+            len(self._producer),
+            extra={
+                "action": "event_overdue",
+                "event_id": _header(headers, "id"),
+                "event_type": _header(headers, "event_type"),
+                "aggregate_id": key.decode(errors="replace") if key is not None else None,
+                "topic": topic,
+                "error": why,
+            },
+        )
+
+    def _why(self, topic: str) -> str:
+        """What Kafka's metadata says of ``topic`` that keeps its events waiting."""
+        try:
+            metadata = self._producer.list_topics(timeout=_LIST_TIMEOUT)
+        except KafkaException as exc:
+            return f"Kafka did not list its topics ({exc.args[0].str()})"
+        found = metadata.topics.get(topic)
+        if found is None or (found.error is not None and found.error.code() in _UNKNOWN_TOPIC):
+            other = next((t for t in sorted(metadata.topics) if collides(topic, t)), None)
+            if other is not None:
+                self._topics.forget(topic)  # its next event is refused at once (offer)
+                return _collision(topic, other).str()
+            return (
+                f"topic {topic} does not exist, and Kafka did not create it (the broker's "
+                "auto.create.topics.enable, or allow.auto.create.topics in --kafka-config, is "
+                "false): create the topic; the producer gives the event up after "
+                "topic.metadata.propagation.max.ms (30 s by default)"
+            )
+        if found.error is not None:
+            return f"topic {topic}: {found.error.str()}"
+        leaderless = sorted(n for n, partition in found.partitions.items() if partition.leader < 0)
+        if leaderless:
+            return f"partitions {', '.join(map(str, leaderless))} of topic {topic} have no leader"
+        return "Kafka's metadata of the topic shows no reason (a broker slow to answer?)"
 
     def in_flight(self) -> int:
         """Messages handed to the producer and not yet reported."""
@@ -268,7 +400,16 @@ class KafkaSink:
         left = len(self._producer)
         self._producer.purge()
         self._producer.flush(0)
+        self._overdue.clear()
         return left
+
+    def _watched_report(self, token: Any, err: KafkaError | None, message: Any) -> None:
+        """The report of a topic's watched message (cdc_relay.overdue)."""
+        topic = message.topic()
+        self._overdue.answered(topic)
+        if err is not None and err.code() in _UNKNOWN_TOPIC:
+            self._topics.forget(topic)  # checked again before its next event
+        self._delivered(token, err, message)
 
     def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
         if err is None:

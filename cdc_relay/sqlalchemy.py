@@ -25,8 +25,9 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import quoted_name
 
-from cdc_relay.outbox import JsonValue
+from cdc_relay.outbox import JsonValue, table_name
 
 
 def write_event(
@@ -103,7 +104,8 @@ def statement(
                 sa.cast(prefix, sa.Text),
             )
         )
-    *schema, name = table.split(".", 1)
+    # Read as --table is; quoted as they are: the parts are the names in the catalog.
+    *schema, name = (quoted_name(part, quote=True) for part in table_name(table))
     outbox = sa.table(
         name,
         sa.column("id", sa.Uuid),
@@ -111,7 +113,7 @@ def statement(
         sa.column("aggregate_id", sa.Text),
         sa.column("event_type", sa.Text),
         sa.column("payload", JSONB),
-        schema=schema[0] if schema else None,
+        schema=schema[-1] if schema else None,  # a database before it must be this one
     )
     return sa.insert(outbox).values(
         id=event_id,

@@ -223,6 +223,14 @@ class Claims(Protocol):
         """For each aggregate of ``keys``: the first due row before ``last`` that the claim
         (``ids``) did not return, by its ``seq``."""
 
+    def published_after(self, ids: list[str]) -> dict[str, int]:
+        """Of the claimed rows ``ids``, those a later row (higher seq) of their aggregate was
+        published before: by id, that row's seq (empty when that cannot be looked up)."""
+
+    def lost(self) -> bool:
+        """Whether PostgreSQL has ended the session (terminated it, timed it out) or the
+        connection broke, as far as can be told without a round trip: the claim is released."""
+
     def mark_processed(self, ids: list[str]) -> None:
         """The rows Kafka acknowledged are done."""
 

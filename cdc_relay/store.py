@@ -14,18 +14,22 @@ The SQL itself is in sql/queries.sql, as named queries.
 from __future__ import annotations
 
 import contextlib
+import select
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 from psycopg.rows import class_row, dict_row
 
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
 from cdc_relay.queries import QUERIES
 from cdc_relay.tables import OutboxTable, find_table
+
+FENCES = "cdc_relay_handovers"
+"""Schema poller's table of handovers to stream, which fence the pollers off a table."""
 
 LOCK_CLASS = 0x43444352  # "CDCR"
 """First key of the outbox's advisory lock (``pg_locks.classid``); the second is the table's
@@ -83,6 +87,7 @@ class Outbox:
     payload_type: int | None  # pg_type oid of the payload column; None without one
     payload_bytea: bool  # bytea, or a domain over it
     created_at: bool = False  # a created_at column of a timestamp type
+    published_index: bool = False  # an index serves published_after (schema poller's)
 
     @property
     def qualified(self) -> str:
@@ -90,8 +95,21 @@ class Outbox:
 
     @property
     def channel(self) -> str:
-        """The NOTIFY channel of the trigger of cdc-relay schema poller on this table."""
-        return f"{self.table.schema}.{self.table.name}"
+        """The NOTIFY channel of the trigger of cdc-relay schema poller on this table: by its
+        OID, so that it fits whatever the table's names (63 bytes at most) and survives a
+        rename."""
+        return f"cdc_relay_{self.table.oid}"
+
+    @property
+    def listen(self) -> sql.Composed:
+        """The poller's LISTEN on ``channel``."""
+        return sql.SQL(QUERIES["listen"]).format(channel=sql.Identifier(self.channel))
+
+    @property
+    def fences(self) -> sql.Identifier:
+        """Schema poller's table where the handover fences pollers off this table: in the
+        table's own schema, where schema poller was applied for it."""
+        return sql.Identifier(self.table.schema, FENCES)
 
     @property
     def lock(self) -> dict[str, int]:
@@ -146,11 +164,13 @@ def resolve(
         ).fetchone()
         or {}
     )
+    index = conn.execute(QUERIES["published_index"], {"oid": found.oid}).fetchone() or {}
     return Outbox(
         found,
         payload.get("payload_type"),
         bool(payload.get("payload_bytea")),
         payload.get("created_at_type") in TIMESTAMP_OIDS,
+        bool(index.get("present")),
     )
 
 
@@ -260,6 +280,64 @@ def take_poll_lock(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
     )
 
 
+def handover_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> dict[str, Any] | None:
+    """The handover that took ``outbox`` over to ``stream`` (its row of schema poller's
+    cdc_relay_handovers, the slot made or being made): None when none did, or when a
+    handover was undone before it made its slot. None too when the table has no such table
+    beside it: a handover refuses to run without one."""
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(QUERIES["handover_fences"], {"schema": outbox.table.schema})
+        if not (found.fetchone() or {}).get("present"):
+            return None
+        try:
+            fence = cur.execute(
+                sql.SQL(QUERIES["handover_fence"]).format(fences=outbox.fences),
+                {"oid": outbox.table.oid},
+            ).fetchone()
+        except psycopg.errors.InsufficientPrivilege:
+            raise PreflightError(
+                f"the role of --dsn may not read {outbox.table.schema}.{FENCES}, where a "
+                f"handover to stream fences the pollers off {outbox.qualified}; grant it "
+                "SELECT there, as cdc-relay schema show roles does for the poller role"
+            ) from None
+    if fence is None or (fence["lsn"] is None and not fence["slot_exists"]):
+        return None
+    return fence
+
+
+def published_after(
+    conn: psycopg.Connection[Any], outbox: Outbox, ids: list[str]
+) -> dict[str, int]:
+    """Of the rows ``ids``, those a later row of their aggregate was published before (their
+    transaction committed after it went out): by id, that row's seq. Empty without an index
+    to look them up by (``Outbox.published_index``): a look-up would read the whole table."""
+    if not outbox.published_index or not ids:
+        return {}
+    with conn.cursor(row_factory=dict_row) as cur:
+        found = cur.execute(outbox.query("published_after"), {"ids": ids})
+        return {row["id"]: int(row["after"]) for row in found}
+
+
+def check_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
+    """Refuse to poll a table handed over to ``stream``: stream marks no row processed, so
+    a poller would publish again every event since. Read on every poller connection, after
+    the outbox's lock is taken: a handover holds that lock exclusively until its fence is
+    written, so no poller claims between a handover and its fence."""
+    fence = handover_fence(conn, outbox)
+    if fence is None:
+        return
+    at = fence["handed_over_at"]
+    when = "" if at is None else f" at {at.isoformat(timespec='seconds')}"
+    start = "its start" if fence["lsn"] is None else fence["lsn"]
+    raise PreflightError(
+        f"table {outbox.qualified} was handed over to stream (cdc-relay setup-slot "
+        f"--from-poller){when}: slot {fence['slot']} relays every event committed after "
+        f"{start}, and stream marks no row processed, so a poller would publish them all "
+        f"again; run cdc-relay stream --slot {fence['slot']}, not poll (to poll the table "
+        'again instead, follow "Back from stream to poll" in the README)'
+    )
+
+
 # -- what the commands beside the relay ask of it ---------------------------------------------
 
 
@@ -332,6 +410,7 @@ class PgClaims:
             conn = psycopg.connect(self.conninfo, autocommit=True, row_factory=class_row(OutboxRow))
             try:
                 take_poll_lock(conn, self.outbox)
+                check_fence(conn, self.outbox)
             except BaseException:
                 conn.close()
                 raise
@@ -377,6 +456,29 @@ class PgClaims:
                     self._claim_skipped, {"keys": keys, "last": last, "ids": ids}
                 )
             }
+
+    def published_after(self, ids: list[str]) -> dict[str, int]:
+        return published_after(self._require(), self.outbox, ids)
+
+    def lost(self) -> bool:
+        """Whether the session is gone. PostgreSQL tells a session it ends (a FATAL message,
+        then the socket closes), so the socket turns readable: read what is there, without
+        blocking and without a query (which would restart idle_in_transaction_session_timeout
+        and take the server's time)."""
+        conn = self._conn
+        if conn is None:
+            return False
+        if conn.closed:
+            return True
+        pgconn = conn.pgconn
+        try:
+            waiting = select.poll()  # not select(): no limit on the descriptor's number
+            waiting.register(pgconn.socket, select.POLLIN)
+            if waiting.poll(0):
+                pgconn.consume_input()
+        except (OSError, psycopg.OperationalError):
+            return True
+        return pgconn.status != pq.ConnStatus.OK
 
     def mark_processed(self, ids: list[str]) -> None:
         self._require().execute(self._mark_processed, {"ids": ids})

@@ -50,16 +50,20 @@ from cdc_relay.events import (
     envelope_event,
 )
 from cdc_relay.exactly_once import (
+    MESSAGE,
+    TRANSACTION,
     Checkpoint,
     Committer,
     ExactlyOnce,
     KafkaCheckpoints,
     TransactionAborted,
     TransactionalSink,
+    Unit,
     check_interval,
 )
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.messages import Messages, check_writers, genuine_cut, unrelayed
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
     CONNECTED,
@@ -112,6 +116,10 @@ _RECONNECT_MAX = 10.0
 # what was not confirmed, so this interval bounds the duplicates (events/s x interval).
 _CONFIRM_AFTER = 0.2
 _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
+# The server ending the stream with one error this many times in a row, with no progress in
+# between (about 25 s of backing off), stops the relay: the error is the user's to fix.
+_SAME_ERROR_LIMIT = 8
+_SAME_ERROR_WITHIN = 60.0  # seconds: a loss longer after the last one starts the count anew
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,6 +137,7 @@ class StreamSettings(RelaySettings):
     ignore_other_tables: bool = False
     shard: Shard | None = None  # slot and publication are then the shard's (shards.py)
     exactly_once: ExactlyOnce | None = None  # Kafka transactions with a checkpoint
+    messages: Messages = field(default_factory=Messages)  # --messages and its writers
 
 
 @dataclass
@@ -340,12 +349,19 @@ class StreamRelay:
         self._sent_flush: Lsn = -1
         self._standing_by = False
         self._acks = 0  # acknowledgements not yet added to the published counter
+        # Ids of the events sent and not acknowledged, for the stop line: the tracker forgets
+        # them on a rewind, and the producer once Kafka refused them.
+        self._unacknowledged: set[str] = set()
         self._events_seen = 0  # events sent at the last tick, for SINCE_LAST_EVENT
         # A new shard after a resharding cut: what comes before the cut is the old shards',
         # skipped and never confirmed (shards.py); None for any other relay.
         self._after_cut: StartAfterCut | None = None
         self._waiting = False  # still before the cut
         self._slot_confirmed: Lsn = 0  # the slot's position at start
+        self._timeline = 0  # the server's at start, or since it changed (0: not known)
+        # The last lost connection's error, where the stream was, and when.
+        self._last_loss: tuple[str, Lsn, float] = ("", -1, 0.0)
+        self._losses = 0  # connections lost in a row with that error at that position
         self._quiet = False  # events may be skipped: waiting for a cut, or replaying
         self._cut_transaction: Transaction | None = None  # the cut's, passed but not committed
         self._cut_at: Lsn | None = None  # an old shard's cut, reached: confirmed on stopping
@@ -358,6 +374,7 @@ class StreamRelay:
         """The checkpointer's report (pipeline.Checkpointer): the LSN tracker's."""
         transaction = token[0]
         self.tracker.acked(transaction)
+        self._unacknowledged.discard(token[1])
         # Counted here, added to the metric with the next status update: a Prometheus
         # counter's inc() takes a lock, per event.
         self._acks += 1
@@ -399,6 +416,9 @@ class StreamRelay:
         self._conn = self._acquire()
         if self._conn is None:
             return  # stopped while waiting as a standby
+        # Only with the slot in hand: a standby's relay may have moved the slot on (past a
+        # resharding cut, past the checkpoint's units) while this one waited.
+        self._held()
         # Only with the slot in hand: a standby must not fence the relay it stands by for.
         self._start_transactions()
         publication = self.settings.publication if self._plugin == "pgoutput" else None
@@ -507,7 +527,7 @@ class StreamRelay:
             self._begin = record
             self._transaction = self.tracker.begin(record.commit_time_us)
             if self._eos is not None:
-                self._unit_begins(self._eos, record.final_lsn)
+                self._unit_begins(self._eos, Unit(record.final_lsn, TRANSACTION))
         elif isinstance(record, Commit):
             if self._transaction is not None:
                 self.tracker.commit(self._transaction, record.end_lsn)
@@ -575,6 +595,10 @@ class StreamRelay:
             if record.prefix == CUT_PREFIX:
                 self._cut(record)
             return  # another application's message
+        if not self.settings.messages.relay:  # no event without --messages (messages.py)
+            if not self._waiting:  # before a new shard's cut, the old shards' to act on
+                unrelayed(record, self.settings.messages, self.settings.shard)
+            return
         shard = self.settings.shard
         if record.transactional:
             if self._transaction is None or self._begin is None:
@@ -591,16 +615,17 @@ class StreamRelay:
             if shard is not None and not shard.owns(event.aggregate_id):
                 return
             if self._eos is not None:
-                self._unit_begins(self._eos, record.lsn)
+                # Its own unit, at its LSN, before a transaction committing there (Unit).
+                self._unit_begins(self._eos, Unit(record.lsn, MESSAGE))
             if self._quiet and self._skip():
                 if self._eos is not None:
-                    self._eos.unit_ends(record.lsn)
+                    self._eos.unit_ends()
                 return
             transaction = self.tracker.begin(time.time_ns() // 1000)
             self._send(event, transaction)
             self.tracker.commit(transaction, record.lsn)
             if self._eos is not None:
-                self._eos.unit_ends(record.lsn)
+                self._eos.unit_ends()
 
     def _skip(self) -> bool:
         """Whether to skip an event: before a resharding cut, or in Kafka already (a replay in
@@ -609,9 +634,9 @@ class StreamRelay:
             return True
         return self._eos is not None and self._eos.skip()
 
-    def _unit_begins(self, eos: Committer, position: Lsn) -> None:
+    def _unit_begins(self, eos: Committer, unit: Unit) -> None:
         """Exactly once: a unit of the stream starts; the replay may be over."""
-        eos.unit_begins(position)
+        eos.unit_begins(unit)
         if not eos.replaying:
             self._quiet = self._waiting
 
@@ -633,11 +658,26 @@ class StreamRelay:
         cut = Cut.from_content(record.content)
         if cut is None:
             return
+        if not record.transactional or self._begin is None:
+            log.warning(
+                "ignored a resharding cut at %s that is not in a transaction: reshard writes "
+                "its cut in one",
+                format_lsn(record.lsn),
+                extra={"action": "cut_ignored", "lsn": format_lsn(record.lsn)},
+            )
+            return
+        # The cut's place among the transactions is its transaction's commit: one committed
+        # between the message and that commit is before the cut. Every transaction before
+        # the cut ends at or before the commit record's start, so an old slot confirmed that
+        # far has delivered all of them.
+        commit = self._begin.final_lsn
+        if not genuine_cut(self.settings, cut, record.lsn, self._tables, self._after_cut):
+            return
         slot = self.settings.slot
         if self._waiting and self._after_cut is not None and cut.cut == self._after_cut.cut:
             # Nothing after the cut goes out before the old shards have delivered everything
             # before it: an aggregate's events must not overtake its earlier ones.
-            self._wait_for_old_shards(cut, record.lsn)
+            self._wait_for_old_shards(cut, commit)
             self._waiting = False
             self._quiet = self._eos is not None and self._eos.replaying
             self._cut_transaction = self._transaction
@@ -649,6 +689,10 @@ class StreamRelay:
                 extra={"action": "cut_passed", "slot": slot, "lsn": format_lsn(record.lsn)},
             )
         elif not self._waiting and slot in cut.slots:
+            # Everything before the cut answered first: a refusal among it rewinds (or stops
+            # the relay with its one line) instead of a stop that says all went out.
+            self._maybe_commit(force=True)
+            self.pipeline.settle()
             log.info(
                 "reached resharding cut %s at %s: every event of slot %s before it goes to "
                 "Kafka and is confirmed, the new shards relay the rest; stopping (drop this "
@@ -658,13 +702,14 @@ class StreamRelay:
                 slot,
                 extra={"action": "cut_reached", "slot": slot, "lsn": format_lsn(record.lsn)},
             )
-            self._cut_at = record.lsn
+            self._cut_at = commit
             self._stop = True
             raise Stopping
 
     def _wait_for_old_shards(self, cut: Cut, lsn: Lsn) -> None:
-        """Wait until every slot of ``cut`` is confirmed up to it (its relay stopped there,
-        having delivered everything before it) or is gone (dropped: the user's call)."""
+        """Wait until every slot of ``cut`` is confirmed up to ``lsn``, the start of the cut's
+        commit record (its relay stopped at the cut, having delivered everything before it),
+        or is gone (dropped: the user's call)."""
         logged = False
         with connect(self.settings.dsn) as conn:
             while True:
@@ -690,6 +735,7 @@ class StreamRelay:
 
     def _send(self, event: OutboxEvent, transaction: Transaction) -> None:
         self.tracker.sent(transaction)
+        self._unacknowledged.add(event.id)
         suspects = self.rewinds.suspects
         self._publish(event, (transaction, event.id), bool(suspects) and event.id in suspects)
         if self._eos is not None:
@@ -772,6 +818,7 @@ class StreamRelay:
         settings = self.settings
         with connect(settings.dsn) as conn:
             check_encoding(conn.execute(QUERIES["server"]).fetchone() or {})
+            check_writers(conn, settings.messages)
             slot = conn.execute(QUERIES["slot"], {"slot": settings.slot}).fetchone()
             # The server's timeline: what a missing slot means, and the exactly-once
             # checkpoints' (NULL on a standby).
@@ -784,8 +831,9 @@ class StreamRelay:
                     "run cdc-relay setup-slot first"
                 )
             observe_slot(slot)
+            self._timeline = int(timeline or 0)
             if self._eos is not None:
-                self._eos.timeline = int(timeline or 0)
+                self._eos.timeline = self._timeline
             self._slot_confirmed = parse_lsn(str(slot["confirmed_flush_lsn"]))
             if invalidated := failover.slot_invalidated(settings.slot, slot):
                 raise PreflightError(invalidated)
@@ -862,14 +910,10 @@ class StreamRelay:
         self._quiet = True
         committed = eos.committed
         log.info(
-            "exactly once: transactional id %s; Kafka holds the stream up to %s%s",
+            "exactly once: transactional id %s; Kafka holds the stream up to %s",
             eos.eos.transactional_id,
-            format_lsn(committed.position),
-            f" and {committed.partial_events} events of the transaction at "
-            f"{format_lsn(committed.partial_position)}"
-            if committed.partial_events
-            else "",
-            extra={"action": "checkpoint", "lsn": format_lsn(committed.position)},
+            committed.describe(),
+            extra={"action": "checkpoint", "lsn": format_lsn(committed.position.lsn)},
         )
 
     def _trust(self, eos: Committer, checkpoint: Checkpoint, confirmed: Lsn) -> None:
@@ -889,23 +933,52 @@ class StreamRelay:
             )
 
     def _follow_timeline(self) -> None:
-        """Exactly once, reconnected: the server may be another one, promoted since (a
-        multi-host DSN, an address moved to the standby). Its timeline goes into the
-        checkpoints from now on, and the checkpoint held is trusted on it as at start."""
-        eos = self._eos
-        if eos is None:
-            return
+        """Reconnecting: the server may be another one, promoted since (a multi-host DSN, an
+        address moved to the standby). On another timeline, the WAL past the slot's position
+        there may be the new primary's own, which this relay never read: the stream starts
+        again from the slot's position, not from this relay's (duplicates, never a loss), and
+        with exactly once the new timeline goes into the checkpoints and the checkpoint held
+        is trusted on it as at start."""
         timeline, confirmed = self._read_timeline(self.settings.dsn, self.settings.slot)
-        if timeline == eos.timeline or confirmed is None:
+        if not timeline or timeline == self._timeline or confirmed is None:
             return  # the same server's history (a missing slot: the stream itself says so)
         log.info(
-            "exactly once: the server is on timeline %d now (was %d)",
+            "the server is on timeline %d now (was %d): streaming again from the slot's "
+            "position there, %s",
             timeline,
-            eos.timeline,
-            extra={"action": "timeline", "timeline": timeline},
+            self._timeline,
+            format_lsn(confirmed),
+            extra={"action": "timeline", "timeline": timeline, "lsn": format_lsn(confirmed)},
         )
-        eos.timeline = timeline
-        self._trust(eos, eos.committed, confirmed)
+        self._timeline = timeline
+        self.tracker.rebase(confirmed)
+        after = self._after_cut
+        if after is not None and not self._waiting and (after.lsn is None or confirmed < after.lsn):
+            # A new shard whose slot there is before its cut: what precedes the cut is the
+            # old shards' again (as on a restart, _start_after_cut).
+            self._waiting = self._quiet = True
+            self._cut_transaction = None
+        eos = self._eos
+        if eos is not None:
+            eos.timeline = timeline
+            self._trust(eos, eos.committed, confirmed)
+
+    def _held(self) -> None:
+        """The slot is this relay's now: what was decided from its position before it was
+        held (a standby waited meanwhile) is decided again from where it is."""
+        with connect(self.settings.dsn) as conn:
+            # The server may be another one by now, promoted while this relay stood by.
+            timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
+            self._timeline = int(timeline or 0)
+            if self._eos is not None:
+                self._eos.timeline = self._timeline
+            slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
+            if not slot:
+                return  # dropped meanwhile: the stream says so
+            confirmed = str(slot["confirmed_flush_lsn"])
+            self._slot_confirmed = parse_lsn(confirmed)
+            if self.settings.shard is not None:
+                self._start_after_cut(conn, self.settings.shard, confirmed)
 
     def _start_after_cut(
         self, conn: psycopg.Connection[dict[str, Any]], shard: Shard, confirmed: str
@@ -917,10 +990,11 @@ class StreamRelay:
         after = StartAfterCut.from_comment((row or {}).get("comment"), shard)
         if after is None:
             return
+        waited = self._waiting
         self._after_cut = after
         self._waiting = after.lsn is None or parse_lsn(confirmed) < after.lsn
-        self._quiet = self._quiet or self._waiting
-        if self._waiting:
+        self._quiet = self._waiting  # exactly once sets it again when it starts
+        if self._waiting and not waited:
             log.info(
                 "shard %s starts after resharding cut %s: skipping what comes before it, which "
                 "the old shards deliver",
@@ -944,7 +1018,7 @@ class StreamRelay:
             self._decode = _pgoutput
             options = {
                 "proto_version": "1",
-                "publication_names": self.settings.publication,
+                "publication_names": pgoutput.publication_names(self.settings.publication),
                 "messages": "true",
             }
         conn = self._open_source(self.settings.dsn)
@@ -972,6 +1046,17 @@ class StreamRelay:
                         exc,
                         extra={"action": "standby", "slot": self.settings.slot},
                     )
+            except ConnectionLost as exc:
+                # Standing by through a failover: the server away for a moment is no reason
+                # to give up (a refusal of its own counts toward the stop, as on reconnects).
+                if not (self.settings.standby and self._standing_by):
+                    raise
+                self._count_loss(exc)
+                log.warning(
+                    "standing by: %s; trying again",
+                    exc,
+                    extra={"action": "standby_unreachable", "slot": self.settings.slot},
+                )
             else:
                 self._standing_by = False
                 return conn
@@ -982,15 +1067,43 @@ class StreamRelay:
         return None
 
     def recover(self, exc: ConnectionLost) -> None:
-        """After a lost connection: settle what is in flight, forget the rest, reconnect."""
+        """After a lost connection: settle what is in flight, forget the rest, reconnect. The
+        same error again with no progress between backs off, and stops the relay after
+        _SAME_ERROR_LIMIT attempts when the server itself ended the stream with it."""
         log.warning(str(exc), extra={"action": "disconnected"})
         self._close_conn()
-        self._drain(self.settings.shutdown_timeout, confirm=False)
+        self.sink.poll(0)  # reports already here count: fewer events to replay
         self.rewinds.note()
+        self._count_loss(exc)
         self._restart_decoding()
-        if self._eos is not None:
-            self.sink.renew()  # abort the open transaction: the replay produces it again
+        # What the producer holds is dropped, not drained: the slot may be another relay's by
+        # now (a standby took it while this one was cut off), and a queue delivered whenever
+        # Kafka comes back would land after that relay's newer events of the same aggregates
+        # (e1, e2, e1). The replay sends it again while this relay holds the slot. Exactly
+        # once: the open transaction is aborted.
+        self.sink.renew()
+        if self._losses > 1:
+            self._pause(min(0.5 * 2 ** (self._losses - 2), _RECONNECT_MAX))
         self._reconnect()
+
+    def _count_loss(self, exc: ConnectionLost) -> None:
+        """Count ``exc`` toward the stop: the same error again within _SAME_ERROR_WITHIN
+        seconds, with no progress between; the relay stops after _SAME_ERROR_LIMIT of them
+        when the server itself answered with the error (a connection that fails is waited
+        out: a restart, a failover)."""
+        now = time.monotonic()
+        again = (str(exc), self.tracker.safe_lsn) == self._last_loss[:2] and (
+            now - self._last_loss[2] < _SAME_ERROR_WITHIN
+        )
+        self._losses = self._losses + 1 if again else 1
+        self._last_loss = (str(exc), self.tracker.safe_lsn, now)
+        if exc.server_error and self._losses >= _SAME_ERROR_LIMIT:
+            raise RelayError(
+                f"the server ended the stream {self._losses} times in a row at "
+                f"{format_lsn(self.tracker.safe_lsn)} with the same error, so retrying does not "
+                f"help: {exc}; fix its cause and restart the relay: it resumes after the last "
+                "event Kafka acknowledged"
+            )
 
     def rewind(self) -> None:
         """Kafka refused events: drop what the producer holds (the gapless guarantee let
@@ -1043,12 +1156,14 @@ class StreamRelay:
         delay = 0.5
         while not self._stop:
             try:
+                self._follow_timeline()  # before opening: where the stream starts depends on it
                 self._conn = self._open()
-                self._follow_timeline()
             except PreflightError:
                 raise  # the slot is gone or unusable: retrying would not bring it back
             except (ConnectionLost, RelayError, psycopg.OperationalError) as exc:
                 self._close_conn()
+                if isinstance(exc, ConnectionLost):
+                    self._count_loss(exc)  # START_REPLICATION refused the same way each time
                 log.warning(
                     "reconnect failed, retrying in %.1fs: %s",
                     delay,
@@ -1090,11 +1205,14 @@ class StreamRelay:
             log.warning("could not confirm the final position: %s", exc)
         finally:
             self._close_conn()
-            left = self.sink.close()
+            self.sink.close()
             self._log_progress()
+            # Not what the producer still holds: a refused event is no longer there.
+            left = len(self._unacknowledged)
             log.info(
-                "stopped; %d events not acknowledged will be sent again on restart",
+                "stopped; %d event%s not acknowledged will be sent again on restart",
                 left,
+                "" if left == 1 else "s",
                 extra={"action": "stop", "lsn": format_lsn(self.tracker.safe_lsn)},
             )
 

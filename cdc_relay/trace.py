@@ -168,6 +168,7 @@ class TraceSettings:
     topic_template: str
     kafka_timeout: float
     max_changes: int  # unconfirmed changes of the slot to read at most
+    max_wal_bytes: int  # WAL to decode at most, from the slot's restart position
     max_messages: int  # messages to scan at most per partition
     clock_skew: float  # seconds the clocks of PostgreSQL and Kafka may differ by
 
@@ -198,7 +199,7 @@ def _database(
             f"table {settings.table} does not exist; check --table (cdc-relay schema apply "
             "outbox makes it)"
         )
-    query = sql.SQL(QUERIES["trace_row"]).format(table=sql.SQL(table.qualified))
+    query = sql.SQL(QUERIES["trace_row"]).format(table=table.identifier)
     row = conn.execute(query, {"id": result.event_id}).fetchone()
     if row is not None:
         result.row = dict(row["row"])
@@ -250,20 +251,26 @@ def _unconfirmed(
     else:
         options = {
             "proto_version": "1",
-            "publication_names": settings.publication,
+            "publication_names": pgoutput.publication_names(settings.publication),
             "messages": "true",
         }
     pairs = [item for pair in options.items() for item in pair]
     # The copy is temporary: PostgreSQL drops it when this session ends, however it ends.
     conn.execute(QUERIES["trace_copy_slot"], {"slot": settings.slot, "copy": copy})
     try:
+        # Decoding reads all the WAL the slot holds back, other tables' too, on the server:
+        # bounded in bytes, since the changes of other tables do not count in max_changes.
+        bound = conn.execute(
+            QUERIES["trace_peek_bound"], {"slot": copy, "bytes": settings.max_wal_bytes}
+        ).fetchone()
+        upto = (bound or {}).get("upto")
         rows = conn.execute(
             QUERIES["trace_peek"],
-            {"slot": copy, "limit": settings.max_changes, "options": pairs},
+            {"slot": copy, "upto": upto, "limit": settings.max_changes, "options": pairs},
         ).fetchall()
     finally:
         conn.execute(QUERIES["drop_slot"], {"slot": copy})
-    complete = len(rows) < settings.max_changes
+    complete = len(rows) < settings.max_changes and upto is None
     records: Iterator[Record]
     if plugin == "wal2json":
         decoder = wal2json.Wal2JsonDecoder()
@@ -533,8 +540,9 @@ def answer(t: Trace) -> str:
             )
         if t.pending_scan == "cut":
             return (
-                f"{where}: the row is committed; not among the first unconfirmed changes of the "
-                "slot read (--max-changes): the relay is far behind"
+                f"{where}: the row is committed; not among the unconfirmed changes of the slot "
+                "read (at most --max-changes changes, decoded from at most --max-wal-bytes of "
+                "WAL): the relay is far behind"
             )
         return f"{where}: the row is committed; {t.pending_scan}"
     return (

@@ -37,18 +37,42 @@ CREATE INDEX IF NOT EXISTS outbox_events_processed
 -- Events `cdc-relay stream --dead-letter-topic` could not put on their topic (too large, not
 -- authorised, invalid for the topic), with their whole content: the dead-letter topic carries
 -- the content too when it fits, and this table always does, so no event exists nowhere.
+-- A row per event, known by its id and its content: ids are unique per table only, and one
+-- slot may relay several outbox tables, so two events may share an id and each keeps its own
+-- row; the same event stored again (a replay) is the same row, with the latest reason.
 CREATE TABLE IF NOT EXISTS cdc_relay_dead_letters (
-    event_id   text        PRIMARY KEY,
-    topic      text        NOT NULL,  -- where the event should have gone
-    key        bytea,
-    value      bytea,
-    headers    jsonb       NOT NULL,
-    error_code text        NOT NULL,
-    error      text        NOT NULL,
-    commit_lsn pg_lsn      NOT NULL,
-    slot       text        NOT NULL,
-    dead_at    timestamptz NOT NULL DEFAULT now()
+    event_id       text        NOT NULL,
+    topic          text        NOT NULL,  -- where the event should have gone
+    key            bytea,
+    value          bytea,
+    headers        jsonb       NOT NULL,
+    error_code     text        NOT NULL,
+    error          text        NOT NULL,
+    commit_lsn     pg_lsn      NOT NULL,
+    slot           text        NOT NULL,
+    dead_at        timestamptz NOT NULL DEFAULT now(),
+    -- SHA-256 of topic, key, value and headers (cdc_relay/deadletter.py); empty when unknown
+    content_sha256 bytea       NOT NULL DEFAULT '',
+    PRIMARY KEY (event_id, content_sha256)
 );
+-- The same from a table made by an older version, keyed by event_id alone.
+ALTER TABLE cdc_relay_dead_letters
+    ADD COLUMN IF NOT EXISTS content_sha256 bytea NOT NULL DEFAULT '';
+DO $$
+DECLARE
+    key_name name;
+BEGIN
+    SELECT c.conname INTO key_name
+    FROM pg_constraint c
+    WHERE c.conrelid = 'cdc_relay_dead_letters'::regclass AND c.contype = 'p'
+      AND c.conkey = ARRAY[(SELECT attnum FROM pg_attribute
+                            WHERE attrelid = c.conrelid AND attname = 'event_id')];
+    IF key_name IS NOT NULL THEN
+        EXECUTE format('ALTER TABLE cdc_relay_dead_letters DROP CONSTRAINT %I, '
+                       'ADD PRIMARY KEY (event_id, content_sha256)', key_name);
+    END IF;
+END
+$$;
 
 -- A table-less outbox: the event travels in the WAL only, as a transactional logical
 -- decoding message that the relay routes exactly like a row. Nothing is stored, so there is

@@ -171,6 +171,71 @@ SELECT obj_description(p.oid, 'pg_publication') AS comment
 FROM pg_publication p
 WHERE p.pubname = %(publication)s
 
+-- cut_comments --
+-- The comments of the publications that publish any of the given tables (OIDs): reshard notes
+-- on each new shard's publication the cut it starts after and where the cut's message is. Only
+-- a publication's owner may comment on it, and only an owner of a table (or a superuser) may
+-- publish the table, so these are the word of the outbox's owner, not of any role that may emit
+-- a message
+SELECT obj_description(p.oid, 'pg_publication') AS comment
+FROM pg_publication p
+WHERE obj_description(p.oid, 'pg_publication') IS NOT NULL
+  AND EXISTS (SELECT 1 FROM pg_get_publication_tables(p.pubname::text) AS g
+              WHERE g.relid = ANY(%(oids)s::oid[]))
+
+-- slots_named_after --
+-- The replication slots whose names are the given one and an underscore, then anything: the
+-- shards' slots of a base name (`base_KofN`), of every shard count
+SELECT slot_name::text AS slot_name
+FROM pg_replication_slots
+WHERE left(slot_name::text, length(%(base)s) + 1) = %(base)s || '_'
+ORDER BY 1
+
+-- emit_message_privileges --
+-- Who may run pg_logical_emit_message, which writes a logical decoding message into the WAL
+-- every slot decodes: a row per overload (text and bytea content; PostgreSQL 17 added `flush`
+-- to both), named as GRANT and REVOKE take it. `public`: PUBLIC may (the default, in every new
+-- database). `others`: the roles that may, through PUBLIC, a grant, or a role they belong to,
+-- and are neither superusers (who may run anything) nor writers (members of a role `writers`
+-- names). `grantees`: the roles its ACL grants EXECUTE that are neither, to revoke it from.
+-- `ungranted`: the writers `writers` names that exist, are no superusers and would not keep it
+-- through a grant to themselves or to a writer role they belong to, to grant it to. Those two
+-- quoted as identifiers, for the statements. `writers`: those of `writers` that exist.
+WITH fn AS (
+    SELECT p.oid, p.oid::regprocedure::text AS signature,
+           coalesce(p.proacl, acldefault('f', p.proowner)) AS acl
+    FROM pg_proc p
+    WHERE p.proname = 'pg_logical_emit_message'
+      AND p.pronamespace = 'pg_catalog'::regnamespace
+), writer AS (
+    SELECT r.oid FROM pg_roles r WHERE r.rolname = ANY(%(writers)s::text[])
+), role AS (
+    SELECT r.oid, r.rolname::text AS name, r.rolsuper AS superuser,
+           EXISTS (SELECT 1 FROM writer w WHERE pg_has_role(r.oid, w.oid, 'MEMBER')) AS writer
+    FROM pg_roles r
+)
+SELECT fn.signature,
+       EXISTS (SELECT 1 FROM aclexplode(fn.acl) AS a
+               WHERE a.grantee = 0 AND a.privilege_type = 'EXECUTE') AS public,
+       array(SELECT r.name FROM role r
+             WHERE NOT r.superuser AND NOT r.writer
+               AND has_function_privilege(r.oid, fn.oid, 'EXECUTE')
+             ORDER BY 1) AS others,
+       array(SELECT quote_ident(r.name)
+             FROM aclexplode(fn.acl) AS a JOIN role r ON r.oid = a.grantee
+             WHERE a.privilege_type = 'EXECUTE' AND NOT r.superuser AND NOT r.writer
+             ORDER BY 1) AS grantees,
+       array(SELECT quote_ident(r.name) FROM writer w JOIN role r ON r.oid = w.oid
+             WHERE NOT r.superuser
+               AND NOT EXISTS (SELECT 1 FROM aclexplode(fn.acl) AS a JOIN role g
+                                   ON g.oid = a.grantee
+                               WHERE a.privilege_type = 'EXECUTE' AND g.writer
+                                 AND pg_has_role(r.oid, g.oid, 'USAGE'))
+             ORDER BY 1) AS ungranted,
+       array(SELECT r.name FROM writer w JOIN role r ON r.oid = w.oid ORDER BY 1) AS writers
+FROM fn
+ORDER BY fn.signature
+
 -- bytea_types --
 -- bytea and every domain over it, however deep: their values are sent as bytea's text
 WITH RECURSIVE b(oid) AS (
@@ -191,16 +256,20 @@ SELECT coalesce(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
 -- store_dead_letter --
 -- An event Kafka refused for good, with its content, before the slot moves past it
 INSERT INTO cdc_relay_dead_letters
-    (event_id, topic, key, value, headers, error_code, error, commit_lsn, slot)
+    (event_id, topic, key, value, headers, error_code, error, commit_lsn, slot, content_sha256)
 VALUES (%(event_id)s, %(topic)s, %(key)s, %(value)s, %(headers)s, %(error_code)s, %(error)s,
-        %(commit_lsn)s::pg_lsn, %(slot)s)
-ON CONFLICT (event_id) DO UPDATE
+        %(commit_lsn)s::pg_lsn, %(slot)s, %(content_sha256)s)
+ON CONFLICT (event_id, content_sha256) DO UPDATE
 SET error_code = excluded.error_code, error = excluded.error, dead_at = now()
 
 -- dead_letter_table --
--- Whether the stream's dead-letter table exists and this role may write it
+-- Whether the stream's dead-letter table exists and this role may write it, and whether it
+-- is keyed by content too (an older schema outbox keyed it by event id alone)
 SELECT to_regclass('cdc_relay_dead_letters') IS NOT NULL
-       AND has_table_privilege('cdc_relay_dead_letters', 'INSERT, UPDATE') AS writable
+       AND has_table_privilege('cdc_relay_dead_letters', 'INSERT, UPDATE') AS writable,
+       EXISTS (SELECT 1 FROM pg_attribute
+               WHERE attrelid = to_regclass('cdc_relay_dead_letters')
+                 AND attname = 'content_sha256' AND NOT attisdropped) AS current
 
 -- slot --
 -- A replication slot by name, with its position and the WAL it holds back (on a standby, up to
@@ -268,11 +337,13 @@ SELECT array(
 ) AS missing
 
 -- poll_trigger --
--- Whether a trigger of schema poller notifies the pollers of new rows in the table
-SELECT EXISTS (
-    SELECT 1 FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
-    WHERE t.tgrelid = %(oid)s::oid AND p.proname = 'outbox_events_notify'
-) AS present
+-- Whether a trigger of schema poller notifies the pollers of new rows in the table, and
+-- whether it is this version's, which names the channel by the table's OID (an older one
+-- named it by the table's names: the poller no longer listens there)
+SELECT coalesce(bool_or(true), false) AS present,
+       coalesce(bool_or(p.prosrc LIKE '%%TG_RELID%%'), false) AS current
+FROM pg_trigger t JOIN pg_proc p ON p.oid = t.tgfoid
+WHERE t.tgrelid = %(oid)s::oid AND p.proname = 'outbox_events_notify'
 
 -- listen --
 LISTEN {channel}
@@ -374,6 +445,38 @@ WHERE t.processed_at IS NULL
   AND t.id <> ALL(%(ids)s::uuid[])
 GROUP BY 1
 
+-- published_index --
+-- Whether an index serves published_after (schema poller's outbox_events_published, or one
+-- like it): on aggregate_type, aggregate_id and seq first, over every row or the processed
+-- ones. Without one, each look-up would read the whole table
+SELECT EXISTS (
+    SELECT 1 FROM pg_index i
+    WHERE i.indrelid = %(oid)s::oid AND i.indisvalid
+      AND (i.indkey::int2[])[0:2] = ARRAY(
+          SELECT a.attnum
+          FROM unnest(ARRAY['aggregate_type', 'aggregate_id', 'seq']) WITH ORDINALITY AS c(name, n)
+          JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attname = c.name
+          ORDER BY c.n)
+      AND (i.indpred IS NULL
+           OR pg_get_expr(i.indpred, i.indrelid) = '(processed_at IS NOT NULL)')
+) AS present
+
+-- published_after --
+-- Of the rows `ids`, those whose aggregate has a row of a higher seq already published
+-- (processed): each one's transaction committed after that row went out, and it goes out after
+-- it, out of seq order. `after`: the highest such seq. One probe of published_index a row
+SELECT t.id::text AS id, l.seq AS after
+FROM {table} AS t
+CROSS JOIN LATERAL (
+    SELECT p.seq FROM {table} AS p
+    WHERE p.processed_at IS NOT NULL
+      AND p.aggregate_type = t.aggregate_type AND p.aggregate_id = t.aggregate_id
+      AND p.seq > t.seq
+    ORDER BY p.seq DESC
+    LIMIT 1
+) AS l
+WHERE t.id = ANY(%(ids)s::uuid[])
+
 -- mark_processed --
 -- Rows Kafka acknowledged, in one statement, found by primary key (a condition on
 -- processed_at could lure the planner onto the partial index of every unprocessed row)
@@ -383,13 +486,15 @@ WHERE id = ANY(%(ids)s::uuid[])
 -- mark_failed --
 -- Rows Kafka refused: one more attempt counted, due again after their backoff; a row out of
 -- attempts whose failure was its own (batch.py: refused alone, or by the client) is
--- parked as a dead letter; one refused among others is tried again, alone
+-- parked as a dead letter; one refused among others is tried again, alone. The backoff counts
+-- from now, the failure (clock_timestamp()), not from the claim (now(), the transaction's
+-- start: a batch may have waited long for Kafka, and the wait would be over already)
 UPDATE {table} AS t
 SET attempts = t.attempts + 1,
     last_error = f.error,
     retry_after = CASE WHEN f.own AND t.attempts + 1 >= %(max_attempts)s
                        THEN 'infinity'::timestamptz
-                       ELSE now() + make_interval(secs => f.delay) END
+                       ELSE clock_timestamp() + make_interval(secs => f.delay) END
 FROM unnest(%(ids)s::uuid[], %(errors)s::text[], %(delays)s::float8[], %(own)s::bool[])
      AS f(id, error, delay, own)
 WHERE t.id = f.id
@@ -507,7 +612,7 @@ SET TRANSACTION SNAPSHOT {snapshot}
 -- {created_at} and {payload_kind} as in claim
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
-       {created_at} AS created_at, {payload_kind} AS payload_kind
+       {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq
 FROM {table} AS t
 WHERE t.processed_at IS NULL
 ORDER BY t.seq
@@ -605,6 +710,32 @@ SELECT current_setting('max_locks_per_transaction')::bigint
 -- (session-level, shared: pollers run side by side; a handover takes it exclusive)
 SELECT pg_try_advisory_lock_shared(%(lock_class)s::int4, %(table)s::oid::int4) AS locked
 
+-- handover_fences --
+-- Whether the outbox table's schema has schema poller's table of handovers
+SELECT to_regclass(format('%%I.cdc_relay_handovers', %(schema)s::text)) IS NOT NULL AS present
+
+-- handover_fence --
+-- The handover that took the outbox table over to stream, or is taking it over: its slot,
+-- where the slot starts (NULL until it is made) and whether it exists now
+SELECT f.table_name, f.slot, f.lsn::text AS lsn, f.handed_over_at,
+       EXISTS (SELECT 1 FROM pg_replication_slots s WHERE s.slot_name = f.slot) AS slot_exists
+FROM {fences} AS f
+WHERE f.table_oid = %(oid)s::oid
+
+-- fence_pollers --
+-- The handover's fence, before it makes its slot (a fence of an earlier handover that was
+-- undone is replaced)
+INSERT INTO {fences} (table_oid, table_name, slot)
+VALUES (%(oid)s::oid, %(table_name)s, %(slot)s)
+ON CONFLICT (table_oid) DO UPDATE
+SET table_name = excluded.table_name, slot = excluded.slot, lsn = NULL, started_at = now(),
+    handed_over_at = NULL
+
+-- handed_over --
+-- The handover's slot is made: the fence holds from now on, whatever becomes of the slot
+UPDATE {fences} SET lsn = %(lsn)s::pg_lsn, handed_over_at = now()
+WHERE table_oid = %(oid)s::oid
+
 -- handover_lock --
 -- Held by the handover from its checks to its end: no poller claims meanwhile
 SELECT pg_try_advisory_lock(%(lock_class)s::int4, %(table)s::oid::int4) AS locked
@@ -656,11 +787,23 @@ WHERE event_id = %(id)s
 -- reading it leaves the slot, and a relay streaming it, as they are
 SELECT lsn::text AS lsn FROM pg_copy_logical_replication_slot(%(slot)s, %(copy)s, true)
 
+-- trace_peek_bound --
+-- Where a read of the slot copy stops so as to decode at most `bytes` of WAL from its restart
+-- position: NULL when the WAL written so far is within that (on a standby, the WAL replayed)
+SELECT CASE WHEN pg_wal_lsn_diff(w.lsn, s.restart_lsn) > %(bytes)s
+            THEN (s.restart_lsn + %(bytes)s::numeric)::text END AS upto
+FROM pg_replication_slots s,
+     (SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                  ELSE pg_current_wal_lsn() END AS lsn) AS w
+WHERE s.slot_name = %(slot)s
+
 -- trace_peek --
 -- The changes of committed transactions the slot copy has not confirmed, oldest first, read
--- without consuming them; stops after the transaction in which `limit` changes are reached
+-- without consuming them; stops after the transaction in which `limit` changes are reached,
+-- and at `upto` (NULL: the end of the WAL)
 SELECT data
-FROM pg_logical_slot_peek_binary_changes(%(slot)s, NULL, %(limit)s, VARIADIC %(options)s::text[])
+FROM pg_logical_slot_peek_binary_changes(%(slot)s, %(upto)s::pg_lsn, %(limit)s,
+                                         VARIADIC %(options)s::text[])
 
 -- create_failover_slot --
 -- A logical slot that standbys with sync_replication_slots = on keep a copy of (PostgreSQL 17+)

@@ -236,6 +236,21 @@ class ProxiedKafka:
         return f"127.0.0.1:{self.proxy.port}"
 
 
+def proxied_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedKafka]:
+    """A ProxiedKafka for the tests of a module (a fixture's body: the broker is its own, not
+    the session's, so one named by CDC_RELAY_TEST_KAFKA_BOOTSTRAP skips them)."""
+    if os.environ.get("CDC_RELAY_TEST_KAFKA_BOOTSTRAP"):
+        pytest.skip("the broker is given by CDC_RELAY_TEST_KAFKA_BOOTSTRAP: no broker of our own")
+    kafka = ProxiedKafka(tmp_path_factory.mktemp("kafka_proxied"))
+    try:
+        kafka.broker.start()
+        yield kafka
+    finally:
+        kafka.proxy.close()
+        kafka.broker.kill()  # its data goes anyway: no need to wait for a clean stop
+        kafka.broker.cleanup(keep_logs=True)
+
+
 # -- one scenario -------------------------------------------------------------------------------
 
 

@@ -25,10 +25,12 @@ from confluent_kafka.admin import (
     ConfigResource,
     NewTopic,
 )
+from psycopg.rows import dict_row
 
 from cdc_relay import pgoutput, schema
 from cdc_relay.events import Insert
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.messages import EmitGrants
 from cdc_relay.outbox import write_event
 from cdc_relay.slot import SlotSpec, setup
 
@@ -125,6 +127,14 @@ def setup_slot(
     setup(dsn, spec)
 
 
+def writers_only(dsn: str, *writers: str) -> None:
+    """Leave pg_logical_emit_message to ``writers`` and superusers (the tests' role) in the
+    database of ``dsn``, as stream --messages requires: what its refusal says to run."""
+    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+        for statement in EmitGrants.read(conn, writers).statements():
+            conn.execute(statement.encode())
+
+
 def handover(dsn: str, bootstrap: str, names: Any) -> subprocess.CompletedProcess[str]:
     """``cdc-relay setup-slot --from-poller``, run to its end."""
     return subprocess.run(
@@ -177,7 +187,7 @@ def pending_inserts(dsn: str, slot: str, publication: str) -> int:
         rows = conn.execute(
             "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
             "'proto_version', '1', 'publication_names', %s)",
-            (slot, publication),
+            (slot, pgoutput.publication_names(publication)),
         ).fetchall()
     return sum(isinstance(pgoutput.decode(bytes(r[0])), Insert) for r in rows)
 

@@ -255,6 +255,7 @@ def test_the_switch_from_poll_to_stream_publishes_the_same_cloudevents(
 ) -> None:
     """setup-slot --from-poller --cloudevents publishes the rows the poller left as poll and
     stream would."""
+    install_poller(outbox_db)  # where the handover fences the pollers off the table
     table = outbox_table(outbox_db, "jsonb")
     rows = ROWS["jsonb"]
     bootstrap = kafka_service.bootstrap

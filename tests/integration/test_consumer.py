@@ -95,3 +95,38 @@ def test_a_failed_handler_leaves_no_record_so_the_event_is_retried(outbox_db: st
             assert first_time(conn, event, "billing")  # the failed attempt left no trace
         with conn.transaction():
             assert not first_time(conn, event, "billing")
+
+
+class Message:
+    """What ``handle`` reads of a Kafka message: its headers."""
+
+    def __init__(self, event_id: str) -> None:
+        self._headers = [("id", event_id.encode()), ("event_type", b"e")]
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return self._headers
+
+
+def test_an_event_whose_id_is_not_a_uuid_is_handled_once(outbox_db: str) -> None:
+    """``--column id=COLUMN`` maps the id to any column of the outbox, so the id header may
+    be any text (Debezium's layouts often use one): the consumer's record keeps it as it is."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(schema.text("consumer"))
+    seen: list[str] = []
+    with psycopg.connect(outbox_db) as conn:
+        ran = [
+            handle(conn, Message(i), lambda _, m: seen.append(m.headers()[0][1]), "billing")
+            for i in ("order-42", "order-42", "Order-42", "6f1c1b7e-2a51-4c43-9d0e-3f5d2b8a9c01")
+        ]
+    assert ran == [True, False, True, True]
+    assert len(seen) == 3
+    # A table of an older schema consumer takes UUIDs only: the error says what to change.
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA older")
+        conn.execute(
+            "CREATE TABLE older.processed_events (consumer text, event_id uuid, "
+            "processed_at timestamptz DEFAULT now(), PRIMARY KEY (consumer, event_id))"
+        )
+    with psycopg.connect(outbox_db, options="-csearch_path=older") as conn:
+        with pytest.raises(ValueError, match="ALTER COLUMN event_id TYPE text"):
+            handle(conn, Message("order-42"), lambda _, m: None, "billing")

@@ -20,6 +20,7 @@ from relaytools import (
     relay_env,
     setup_slot,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.devstack import free_ports
@@ -70,8 +71,13 @@ def test_wal2json_and_pgoutput_slots_put_byte_identical_messages_on_kafka(
     expected = len(writer.written) + 20
     writer.close()
 
-    pg = _relay(tmp_path, outbox_db, kafka_service, names, name="pgoutput").start()
-    w2j_env = {"slot": names.slot + "_w2j", "topic_template": prefix_w2j + ".{aggregate_type}"}
+    writers_only(outbox_db)  # the messages: stream --messages, once only writers may emit
+    pg = _relay(tmp_path, outbox_db, kafka_service, names, "pgoutput", messages="true").start()
+    w2j_env = {
+        "slot": names.slot + "_w2j",
+        "topic_template": prefix_w2j + ".{aggregate_type}",
+        "messages": "true",
+    }
     w2j = _relay(tmp_path, outbox_db, kafka_service, names, name="wal2json", **w2j_env).start()
     try:
         from_pg = consume(kafka_service.bootstrap, names.topic_prefix, expected)
@@ -90,7 +96,8 @@ def test_logical_messages_are_events_and_rolled_back_ones_never_reach_kafka(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = _relay(tmp_path, outbox_db, kafka_service, names).start()
+    writers_only(outbox_db)
+    relay = _relay(tmp_path, outbox_db, kafka_service, names, messages="true").start()
     try:
         payload = {"total": "12.50", "lines": [1, 2], "name": "Zoë"}
         with psycopg.connect(outbox_db) as conn:

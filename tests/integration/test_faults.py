@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import faulttools
 import pytest
 from faulttools import (
     CHAOS,
@@ -341,18 +342,7 @@ def test_network_to_postgres_cut_then_restored(
         assert proxy.accepted > before  # they did connect again, through the proxy
 
 
-@pytest.fixture(scope="module")
-def proxied_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxiedKafka]:
-    if os.environ.get("CDC_RELAY_TEST_KAFKA_BOOTSTRAP"):
-        pytest.skip("the broker is given by CDC_RELAY_TEST_KAFKA_BOOTSTRAP: no broker of our own")
-    kafka = ProxiedKafka(tmp_path_factory.mktemp("kafka_proxied"))
-    try:
-        kafka.broker.start()
-        yield kafka
-    finally:
-        kafka.proxy.close()
-        kafka.broker.kill()  # its data goes anyway: no need to wait for a clean stop
-        kafka.broker.cleanup(keep_logs=True)
+proxied_kafka = pytest.fixture(scope="module")(faulttools.proxied_kafka)
 
 
 @pytest.mark.parametrize("mode", CUTS)

@@ -43,7 +43,7 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
-from relaytools import RelayProcess, install_poller, relay_env
+from relaytools import RelayProcess, install_poller, relay_env, writers_only
 
 from cdc_relay.slot import SlotSpec, setup
 
@@ -670,6 +670,9 @@ def start_relays(
     plugin = "pgoutput" if path == "exactly-once" else path.removeprefix("message-")
     if path == "exactly-once":
         common |= {"exactly_once": "1", "checkpoint_topic": f"{names.topic_prefix}_checkpoints"}
+    if path in MESSAGE_PATHS:  # stream --messages, once only writers may emit messages
+        writers_only(dsn)
+        common |= {"messages": "true"}
     # The message form needs no table of its own, but stream follows one: outbox_events.
     tables = ["outbox_events"] if path in MESSAGE_PATHS else [g.table for g in goldens]
     relays = []

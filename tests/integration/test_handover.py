@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from relaytools import (
     Load,
+    Received,
     RelayProcess,
     Writer,
     check,
@@ -28,6 +30,10 @@ from relaytools import (
     relay_env,
     wait_until,
 )
+from test_observability import scrape
+
+from cdc_relay.devstack import free_ports
+from cdc_relay.outbox import write_event
 
 pytestmark = pytest.mark.integration
 
@@ -223,6 +229,9 @@ def test_no_poller_runs_beside_a_handover_and_stream_starts_after_it(
         conn.execute(
             sql.SQL("GRANT SELECT, UPDATE ON outbox_events TO {}").format(sql.Identifier(role))
         )
+        conn.execute(
+            sql.SQL("GRANT SELECT ON cdc_relay_handovers TO {}").format(sql.Identifier(role))
+        )
     as_role = make_conninfo(outbox_db, user=role)
     env = relay_env(as_role, kafka_service.bootstrap, names, workers="2", batch_size="50")
     first = RelayProcess(tmp_path, env, name="first", command="poll").start()
@@ -297,3 +306,153 @@ def test_no_poller_runs_beside_a_handover_and_stream_starts_after_it(
     # Per aggregate: what the poller published, then the handover's backlog, then the stream.
     assert verdict.out_of_order == []
     assert verdict.duplicates <= 100  # the first poller's batches in flight when it was cut
+
+
+def test_the_handover_fences_a_poller_frozen_through_it_and_one_started_after_it(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """``stream`` marks no row, so a poller running after the handover would publish every
+    event since again: one frozen (SIGSTOP) through the handover, whose sessions PostgreSQL
+    ended so that the handover could run, and one started after it (an orchestrator's
+    restart) each stop with one line as they connect, and publish nothing."""
+    install_poller(outbox_db)
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, poll_interval="1")
+    frozen = RelayProcess(tmp_path, env, name="frozen", command="poll").start()
+    late = RelayProcess(tmp_path, env, name="late", command="poll")
+    writer = Writer(outbox_db)
+    try:
+        for i in range(5):
+            writer.transaction([("order", f"a{i}", {"i": i})])
+        wait_until(lambda: processed(outbox_db) == 5, 60, "the poller to publish")
+        frozen.signal(signal.SIGSTOP)
+        query(
+            outbox_db,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE application_name = 'cdc-relay poll'",
+        )
+        switched = handover(outbox_db, kafka_service.bootstrap, names)
+        assert switched.returncode == 0, switched.stderr
+        for i in range(5):
+            writer.transaction([("order", f"a{i}", {"i": 5 + i})])  # stream's to relay
+        frozen.signal(signal.SIGCONT)
+        assert frozen.wait(60) == 1, frozen.log()
+        late.start()
+        assert late.wait(60) == 1, late.log()
+        # A second handover would publish again every row since the first, unmarked.
+        query(outbox_db, sql.SQL("SELECT pg_drop_replication_slot(%s)"), names.slot)
+        again = handover(outbox_db, kafka_service.bootstrap, names)
+        assert again.returncode == 1
+        assert again.stderr.strip() == (
+            f"cdc-relay: error: public.outbox_events was handed over to stream before (slot "
+            f"{names.slot}): no row since is marked processed, and a handover now would "
+            f"publish them all again; stream it with slot {names.slot}, or make a lost slot "
+            "anew with setup-slot --republish-since"
+        )
+    finally:
+        frozen.signal(signal.SIGCONT)
+        frozen.close()
+        late.close()
+        writer.close()
+    for poller in (frozen, late):
+        line = poller.log().strip().splitlines()[-1]
+        assert line.startswith(
+            "cdc-relay: error: table public.outbox_events was handed over to stream "
+            "(cdc-relay setup-slot --from-poller) at "
+        ), poller.log()
+        assert f"run cdc-relay stream --slot {names.slot}, not poll" in line
+    assert processed(outbox_db) == 5
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=10, timeout=5)
+    assert sorted(r.id for r in received) == sorted(w.id for w in writer.written[:5])
+
+
+# -- claim order: two transactions of one aggregate committing out of seq order -------------
+
+
+def out_of_seq_order(dsn: str, key: str, between: Callable[[], object] = lambda: None) -> None:
+    """Events ``key``-1 and ``key``-2 of aggregate ``key``: the first inserted (lower seq) by a
+    transaction that commits after the second's; ``between`` runs once the second committed."""
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
+        for conn, n in ((first, 1), (second, 2)):
+            write_event(
+                conn,
+                aggregate_type="order",
+                aggregate_id=key,
+                event_type="order.changed",
+                payload={"n": f"{key}-{n}"},
+            )
+        second.commit()
+        between()
+        first.commit()
+
+
+def order_of(received: list[Received], key: str) -> list[str]:
+    """The events of aggregate ``key`` on Kafka, in partition order (first deliveries)."""
+    ordered = sorted((r for r in received if r.key == key.encode()), key=lambda r: r.offset)
+    return list(dict.fromkeys(json.loads(r.value or b"{}")["n"] for r in ordered))
+
+
+def test_two_transactions_of_one_aggregate_committing_out_of_seq_order(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """What README.md states of the order of each path: poll publishes the rows a claim finds
+    in seq order, and a row committed after a later one of its aggregate went out follows it,
+    counted; the handover publishes in seq order, and counts such a row among its backlog; the
+    republish publishes in seq order."""
+    install_poller(outbox_db)
+    (port,) = free_ports(1)
+    env = relay_env(
+        outbox_db, kafka_service.bootstrap, names, poll_interval="0.2", metrics_port=str(port)
+    )
+    poll = RelayProcess(tmp_path, env, name="poll", command="poll")
+    try:
+        out_of_seq_order(outbox_db, "both-before-a-claim")  # committed before the poller runs
+        poll.start()
+        wait_until(lambda: processed(outbox_db) == 2, 60, "the poller to publish")
+        out_of_seq_order(  # the second published before the first commits
+            outbox_db,
+            "poll",
+            lambda: wait_until(lambda: processed(outbox_db) == 3, 60, "the second published"),
+        )
+        wait_until(lambda: processed(outbox_db) == 4, 60, "the first published")
+        samples = scrape(port)
+        assert samples['outbox_events_out_of_seq_order_total{relay="poll"}'] == 1.0
+        out_of_seq_order(  # the second published, the first left to the handover
+            outbox_db,
+            "handover",
+            lambda: (
+                wait_until(lambda: processed(outbox_db) == 5, 60, "the second published"),
+                poll.stop(),
+            ),
+        )
+        assert poll.wait(10) == 0, poll.log()
+    finally:
+        poll.close()
+    late = [line for line in poll.log().splitlines() if "out of seq order" in line]
+    assert len(late) == 1, poll.log()
+
+    out_of_seq_order(outbox_db, "the-backlog")
+    switched = handover(outbox_db, kafka_service.bootstrap, names)
+    assert switched.returncode == 0, switched.stderr
+    assert "1 of them out of seq order" in switched.stdout, switched.stdout
+
+    # A lost slot made anew: the pair is in the table, and republished in seq order.
+    query(outbox_db, "SELECT pg_drop_replication_slot(%s)", names.slot)
+    out_of_seq_order(outbox_db, "republished")
+    made = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--republish-since", "1h"],
+        env={**os.environ, **relay_env(outbox_db, kafka_service.bootstrap, names)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+
+    received = consume(kafka_service.bootstrap, names.topic_prefix, expected=10)
+    assert order_of(received, "both-before-a-claim") == [
+        "both-before-a-claim-1",
+        "both-before-a-claim-2",
+    ]
+    assert order_of(received, "poll") == ["poll-2", "poll-1"]
+    assert order_of(received, "handover") == ["handover-2", "handover-1"]
+    assert order_of(received, "the-backlog") == ["the-backlog-1", "the-backlog-2"]
+    assert order_of(received, "republished")[-2:] == ["republished-1", "republished-2"]

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from relaytools import RelayProcess, consume, relay_env, setup_slot
+from relaytools import RelayProcess, consume, relay_env, setup_slot, writers_only
 
 pytestmark = pytest.mark.integration
 
@@ -47,10 +47,11 @@ def test_json_null_is_the_value_null_as_a_row_and_as_a_message(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = RelayProcess(
-        tmp_path,
-        relay_env(outbox_db, kafka_service.bootstrap, names, tombstone_on_empty_payload="true"),
-    ).start()
+    writers_only(outbox_db)
+    env = relay_env(
+        outbox_db, kafka_service.bootstrap, names, tombstone_on_empty_payload="true", messages="1"
+    )
+    relay = RelayProcess(tmp_path, env).start()
     try:
         with psycopg.connect(outbox_db, autocommit=True) as conn:
             conn.execute(

@@ -14,9 +14,11 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import faulttools
 import psycopg
 import pytest
 from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource
+from faulttools import ProxiedKafka
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
@@ -34,7 +36,7 @@ from relaytools import (
     wait_until,
 )
 
-from cdc_relay import schema
+from cdc_relay import schema, store
 
 pytestmark = pytest.mark.integration
 
@@ -499,6 +501,24 @@ def test_poll_start_errors_are_one_line(outbox_db: str, names: Any) -> None:
         "cdc-relay: error: no Kafka broker answered at 127.0.0.1:9 within 1s"
     ), lines
     assert "check --kafka-bootstrap" in lines[-1]
+    # A trigger of an older schema poller notified a channel named by the table's names,
+    # where the poller no longer listens.
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(schema.text("poller").encode())
+        conn.execute(
+            "CREATE OR REPLACE FUNCTION outbox_events_notify() RETURNS trigger LANGUAGE plpgsql"
+            " AS $$ BEGIN PERFORM pg_notify(TG_TABLE_SCHEMA || '.' || TG_TABLE_NAME, '');"
+            " RETURN NULL; END $$"
+        )
+    older = cli(*base).stderr.strip().splitlines()
+    assert (
+        "an older version of the trigger of schema poller, on another channel, notifies the "
+        "pollers of new rows in public.outbox_events" in older[0]
+    ), older
+    assert "run cdc-relay schema apply poller" in older[0]
+    install_poller(outbox_db)
+    current = cli(*base).stderr.strip().splitlines()
+    assert len(current) == 1, current  # no warning, the broker's error alone
 
 
 # -- database errors while polling -----------------------------------------------------------
@@ -818,3 +838,135 @@ def test_a_claim_reads_a_batch_not_the_backlog_however_stale_the_statistics(
             if n.get("Relation Name") == "outbox_events" and n.get("Alias") == "t"
         )
         assert 0 < scanned <= 2 * batch, (step, scanned)
+
+
+# -- the NOTIFY channel ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("length", [49, 50])
+def test_the_notify_trigger_fits_any_table_name_and_wakes_the_poller_listening(
+    poller_db: str, length: int
+) -> None:
+    """``schema.table`` is 63 bytes with a schema of 49 characters and 64 with one of 50: a
+    channel named so would be refused by pg_notify from 64 bytes on (every INSERT failing),
+    and cut short by LISTEN."""
+    name = "tenant_" + "a" * (length - len("tenant_"))
+    in_schema = _outbox_in_schema(poller_db, name)
+    with psycopg.connect(in_schema, autocommit=True, row_factory=dict_row) as conn:
+        outbox = store.resolve(conn, f"{name}.outbox_events")
+    with psycopg.connect(in_schema, autocommit=True) as listener:
+        listener.execute(outbox.listen)  # the poller's own statement
+        writer = Writer(in_schema)
+        try:
+            writer.transaction([("order", "1", {"n": 1})])  # the trigger fires
+        finally:
+            writer.close()
+        heard = [n.channel for n in listener.notifies(timeout=5, stop_after=1)]
+    assert heard == [outbox.channel]
+
+
+# -- a claim PostgreSQL released is not delivered late -----------------------------------------
+
+proxied_kafka = pytest.fixture(scope="module")(faulttools.proxied_kafka)
+
+
+def poller_pids(dsn: str) -> list[int]:
+    """The backends of the pollers' sessions (their workers' and listeners')."""
+    return [
+        int(pid)
+        for (pid,) in rows(
+            dsn,
+            "SELECT pid FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = 'cdc-relay poll'",
+        )
+    ]
+
+
+def claiming(dsn: str) -> bool:
+    """Whether a poller holds an aggregate's lock: it is inside a claim's transaction."""
+    ((count,),) = rows(
+        dsn,
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE a.application_name = 'cdc-relay poll' AND l.locktype = 'advisory' "
+        "AND l.mode = 'ExclusiveLock' AND l.granted",
+    )
+    return bool(count)
+
+
+def test_a_frozen_poller_cut_off_from_kafka_drops_the_claim_postgresql_released(
+    tmp_path: Path, poller_db: str, proxied_kafka: ProxiedKafka, names: Any
+) -> None:
+    """Poller A claims e1..e3 while its link to Kafka is down, and is frozen (SIGSTOP);
+    PostgreSQL ends its session; poller B publishes e1..e4. A is resumed, its link still
+    down: it must drop e1..e3 rather than deliver them after e4 once the link is back (a
+    compacted topic would end on e3)."""
+    kafka, proxy = proxied_kafka.broker, proxied_kafka.proxy
+    writer = Writer(poller_db)
+    a = poller(tmp_path, poller_db, kafka, names, name="a")
+    a.env["CDC_RELAY_KAFKA_BOOTSTRAP"] = proxied_kafka.relay_bootstrap
+    a.start()
+    b = poller(tmp_path, poller_db, kafka, names, name="b")
+    b.env["CDC_RELAY_KAFKA_BOOTSTRAP"] = kafka.bootstrap  # not through the proxy
+    try:
+        writer.transaction([("order", "warm", {"n": 0})])
+        consume(kafka.bootstrap, names.topic_prefix, expected=1, timeout=60, settle=0)
+        proxy.cut("refuse")  # A's link to Kafka is down from here on
+        writer.transaction([("order", "x", {"n": n}) for n in (1, 2, 3)])  # claimed at once
+        wait_until(lambda: claiming(poller_db), 30, "A claiming e1..e3")
+        time.sleep(0.5)  # produced, held by A's producer
+        a.signal(signal.SIGSTOP)
+        rows(
+            poller_db,
+            "SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid",
+            poller_pids(poller_db),
+        )
+        writer.transaction([("order", "x", {"n": 4})])
+        b.start()
+        consume(kafka.bootstrap, names.topic_prefix, expected=5, timeout=60, settle=0)
+        assert b.stop() == 0
+        a.signal(signal.SIGCONT)
+        wait_until(lambda: "dropped 3 messages" in a.log(), 30, "A dropping its queue")
+        proxy.restore()
+        # A sentinel of the same aggregate, published by A through the restored link: it
+        # follows on the partition whatever A's producer still held.
+        writer.transaction([("order", "x", {"n": 5})])
+        received = consume(kafka.bootstrap, names.topic_prefix, expected=6, timeout=60)
+        assert a.stop() == 0
+    finally:
+        proxy.restore()
+        a.signal(signal.SIGCONT)
+        a.close()
+        b.close()
+        writer.close()
+    numbers = {w.id: json.loads(w.payload)["n"] for w in writer.written}
+    on_x = [numbers[r.id] for r in sorted(received, key=lambda r: r.offset) if r.key == b"x"]
+    assert on_x == [1, 2, 3, 4, 5], a.log()
+
+
+# -- the backoff -----------------------------------------------------------------------------
+
+
+def test_a_failed_row_waits_its_backoff_from_the_failure_not_from_the_claim(
+    poller_db: str,
+) -> None:
+    """A batch may wait long for Kafka inside its claim's transaction (the broker away); a
+    backoff counted from the claim (the transaction's now()) would have passed by the time
+    the row is marked failed, and the row would be tried again at once."""
+    writer = Writer(poller_db)
+    (row,) = writer.transaction([("order", "1", {})])
+    writer.close()
+    with psycopg.connect(poller_db, autocommit=True, row_factory=dict_row) as conn:
+        outbox = store.resolve(conn, "outbox_events")
+    claims = store.PgClaims(poller_db, outbox)
+    try:
+        with claims.transaction():
+            keys = claims.claim_aggregates(10, 0, 1, [])
+            assert [r.id for r in claims.claim(10, keys)] == [row.id]
+            time.sleep(2)  # Kafka answers late
+            claims.mark_failed([row.id], ["refused"], [1.0], [True], 10)
+    finally:
+        claims.close()
+    ((waits,),) = rows(
+        poller_db, "SELECT retry_after > clock_timestamp() FROM outbox_events WHERE id = %s", row.id
+    )
+    assert waits, "the row is due again at once"

@@ -420,6 +420,53 @@ def test_prune_refuses_a_slot_that_does_not_relay_the_table_in_one_line(
             admin.execute("SELECT pg_drop_replication_slot(%s)", (other_db,))
 
 
+def test_prune_refuses_a_wal2json_slot_with_a_publication_that_is_not_there(
+    outbox_db: str, names: Any
+) -> None:
+    """A wal2json slot's relay selects its tables by name; the publication setup-slot made
+    lists them, and is all that shows which tables the slot relays. A --publication naming
+    none must not pass for one that lists the table: the slot may relay another table."""
+    setup_slot(outbox_db, names, plugin="wal2json")
+    writer = Writer(outbox_db)
+    writer.transaction([("order", "e", {})] * 3)
+    writer.close()
+    done = threading.Event()
+
+    def relay() -> None:
+        """The slot confirmed as far as the WAL goes, as a relay of another table would."""
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            while not done.wait(0.2):
+                advance_slot(outbox_db, names.slot, lsn_now(conn))
+
+    advancing = threading.Thread(target=relay)
+    advancing.start()
+    try:
+        refused = cli(
+            "prune",
+            "--dsn",
+            outbox_db,
+            "--slot",
+            names.slot,
+            "--publication",
+            "nope",
+            "--older-than",
+            "0s",
+            "--wait",
+            "5",
+        )
+    finally:
+        done.set()
+        advancing.join()
+    assert (refused.returncode, refused.stdout) == (1, ""), refused.stdout
+    assert refused.stderr == (
+        f"cdc-relay: error: publication nope does not exist, and with a wal2json slot it is "
+        f"what shows which tables the relay of slot {names.slot} selects (cdc-relay setup-slot "
+        "lists them there): nothing shows that the slot relays public.outbox_events; name "
+        "the slot's publication with --publication\n"
+    )
+    assert len(ids_in_table(outbox_db)) == 3
+
+
 # -- partitions and the wraparound of transaction ids ------------------------------------------
 
 PARTITIONED = """

@@ -5,7 +5,7 @@ Error classes, each made real: a batch refused for one oversized event (per-topi
 auto-creation off, a topic the authorizer denies; and the delivery timeout the relays refuse
 to run with. For each: ``stream`` stopping at the culprit (halt), ``stream
 --dead-letter-topic``, and ``poll``. What each relay must do is in README ("What lands on
-Kafka", "What the poller guarantees") and DESIGN.md (invariant 4, never skip silently).
+Kafka", "What the poller guarantees") and ARCHITECTURE.md (invariant 4, never skip silently).
 
 The module ends by printing the matrix (error class x mode x relay -> lost, reordered,
 duplicates, outcome) and writing it to pytest's temporary directory.
@@ -57,6 +57,7 @@ from relaytools import (
     set_topic_config,
     setup_slot,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.devstack.kafka import LocalKafka
@@ -816,6 +817,7 @@ def test_a_refused_logical_message_is_dead_lettered_with_its_content(
     with matrix_row(scenario.name + " (logical message)", "dead-letter topic", "stream") as row:
         prepare(scenario, outbox_db, kafka_service.bootstrap, prefix)
         setup_slot(outbox_db, names)
+        writers_only(outbox_db)  # stream --messages, once only writers may emit messages
         first = _emit_transaction(outbox_db, [("blob", k, {"n": 0}, False) for k in ("k0", "k1")])
         middle = _emit_transaction(
             outbox_db,
@@ -835,6 +837,7 @@ def test_a_refused_logical_message_is_dead_lettered_with_its_content(
             names,
             scenario,
             dead_letter_topic=f"{prefix}.{DEAD}",
+            messages="true",
         )
         try:
             relay.start()

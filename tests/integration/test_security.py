@@ -53,6 +53,7 @@ pytestmark = pytest.mark.integration
 SQL = Path(cdc_relay.__file__).parent / "sql"  # the package's schema, as installed
 STREAM_ROLE = "cdc_relay_stream"
 POLLER_ROLE = "cdc_relay_poller"
+PRUNER_ROLE = "cdc_relay_pruner"
 SCRAM_USER = "relay"
 
 # The tests connect as the superuser without a password; every other role needs TLS and its
@@ -180,11 +181,17 @@ class Database:
     poller: str
     stream_password: str
     poller_password: str
+    pruner: str
+    pruner_password: str
 
 
 @pytest.fixture(scope="module")
 def role_passwords() -> dict[str, str]:
-    return {STREAM_ROLE: _secret("pg-stream"), POLLER_ROLE: _secret("pg-poller")}
+    return {
+        STREAM_ROLE: _secret("pg-stream"),
+        POLLER_ROLE: _secret("pg-poller"),
+        PRUNER_ROLE: _secret("pg-pruner"),
+    }
 
 
 @pytest.fixture
@@ -210,6 +217,7 @@ def database(
             **os.environ,
             "CDC_RELAY_STREAM_PASSWORD": role_passwords[STREAM_ROLE],
             "CDC_RELAY_POLLER_PASSWORD": role_passwords[POLLER_ROLE],
+            "CDC_RELAY_PRUNER_PASSWORD": role_passwords[PRUNER_ROLE],
         },
         check=True,
         capture_output=True,
@@ -231,6 +239,8 @@ def database(
         poller=dsn(POLLER_ROLE),
         stream_password=role_passwords[STREAM_ROLE],
         poller_password=role_passwords[POLLER_ROLE],
+        pruner=dsn(PRUNER_ROLE),
+        pruner_password=role_passwords[PRUNER_ROLE],
     )
 
 
@@ -457,12 +467,13 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
             for row in conn.execute(
                 "SELECT rolname, rolcanlogin, rolreplication, rolsuper, rolcreatedb,"
                 " rolcreaterole, rolbypassrls FROM pg_roles WHERE rolname = ANY(%s)",
-                [[STREAM_ROLE, POLLER_ROLE]],
+                [[STREAM_ROLE, POLLER_ROLE, PRUNER_ROLE]],
             )
         }
         assert roles == {
             STREAM_ROLE: (True, True, False, False, False, False),
             POLLER_ROLE: (True, False, False, False, False, False),
+            PRUNER_ROLE: (True, False, False, False, False, False),
         }
         table_privileges = {
             role: {
@@ -473,9 +484,13 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
                 ).fetchone()
                 == (True,)
             }
-            for role in (STREAM_ROLE, POLLER_ROLE)
+            for role in (STREAM_ROLE, POLLER_ROLE, PRUNER_ROLE)
         }
-        assert table_privileges == {STREAM_ROLE: {"SELECT"}, POLLER_ROLE: {"SELECT", "DELETE"}}
+        assert table_privileges == {
+            STREAM_ROLE: {"SELECT"},
+            POLLER_ROLE: {"SELECT"},
+            PRUNER_ROLE: {"SELECT", "DELETE"},
+        }
         updatable = conn.execute(
             "SELECT array_agg(attname::text ORDER BY attname) FROM pg_attribute"
             " WHERE attrelid = 'outbox_events'::regclass AND attnum > 0"
@@ -484,7 +499,8 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
         ).fetchone()
         assert updatable == (["attempts", "last_error", "processed_at", "retry_after"],)
         # The slots' lineage: the stream role moves its slot's position and what it verified
-        # of the publication, nothing else; both read it (status, prune --slot).
+        # of the publication, nothing else; the pruner reads it (prune --slot), the poller
+        # has no slot.
         lineage = {
             role: {
                 privilege
@@ -494,9 +510,9 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
                 ).fetchone()
                 == (True,)
             }
-            for role in (STREAM_ROLE, POLLER_ROLE)
+            for role in (STREAM_ROLE, POLLER_ROLE, PRUNER_ROLE)
         }
-        assert lineage == {STREAM_ROLE: {"SELECT"}, POLLER_ROLE: {"SELECT"}}
+        assert lineage == {STREAM_ROLE: {"SELECT"}, POLLER_ROLE: set(), PRUNER_ROLE: {"SELECT"}}
         movable = conn.execute(
             "SELECT array_agg(attname::text ORDER BY attname) FROM pg_attribute"
             " WHERE attrelid = 'cdc_relay_slots'::regclass AND attnum > 0"
@@ -519,12 +535,20 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
             "UPDATE outbox_events SET payload = '{}'",
             "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)"
             " VALUES ('a', '1', 'e', '{}')",
+            "DELETE FROM outbox_events",
+            "TRUNCATE outbox_events",
+        ],
+        PRUNER_ROLE: [
+            "UPDATE outbox_events SET processed_at = now()",
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload)"
+            " VALUES ('a', '1', 'e', '{}')",
             "TRUNCATE outbox_events",
         ],
     }
     for dsn, password, role in (
         (database.stream, database.stream_password, STREAM_ROLE),
         (database.poller, database.poller_password, POLLER_ROLE),
+        (database.pruner, database.pruner_password, PRUNER_ROLE),
     ):
         with psycopg.connect(dsn, password=password, autocommit=True) as conn:
             assert conn.execute("SELECT count(*) FROM outbox_events").fetchone() == (2,)
@@ -549,7 +573,7 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
     )
 
 
-def test_poll_and_prune_as_the_poller_role_over_verified_tls_and_sasl(
+def test_poll_and_prune_as_their_roles_over_verified_tls_and_sasl(
     tmp_path: Path, database: Database, secure_kafka: SecureKafka, names: Any
 ) -> None:
     client = properties(
@@ -577,11 +601,13 @@ def test_poll_and_prune_as_the_poller_role_over_verified_tls_and_sasl(
         assert relay.stop() == 0
     finally:
         relay.close()
-    pruned = run(["prune", "--older-than", "0s"], env)
+    as_pruner = {**env, "CDC_RELAY_DSN": database.pruner, "PGPASSWORD": database.pruner_password}
+    pruned = run(["prune", "--older-than", "0s"], as_pruner)
     assert pruned.returncode == 0, pruned.stderr
     assert pruned.stdout.startswith("pruned 20 processed rows"), pruned.stdout
     output = relay.log() + pruned.stdout + pruned.stderr
     assert database.poller_password not in output
+    assert database.pruner_password not in output
     assert secure_kafka.password not in output
 
 

@@ -23,6 +23,7 @@ from relaytools import (
     consume,
     relay_env,
     slot_row,
+    writers_only,
 )
 
 from cdc_relay import schema
@@ -445,7 +446,8 @@ def test_a_logical_decoding_message_cannot_be_routed_by_table(
 ) -> None:
     _tenants(empty_db, *TENANTS)
     _setup(empty_db, names)
-    relay = _relay(tmp_path, empty_db, kafka_service, names).start()
+    writers_only(empty_db)  # stream --messages, once only writers may emit messages
+    relay = _relay(tmp_path, empty_db, kafka_service, names, messages="true").start()
     try:
         first, _ = _insert(empty_db, TABLES[0], "a")
         assert list(_topics(kafka_service, names, 1)) == [first]

@@ -5,6 +5,7 @@ resharding")."""
 from __future__ import annotations
 
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -15,18 +16,24 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
 from relaytools import (
     Load,
     RelayProcess,
+    Writer,
     Written,
     check,
     consume,
+    create_topics,
     relay_env,
+    set_topic_config,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.shards import Shard, hashtext
+from cdc_relay.slot import SlotSpec, prepare_reshard, setup, write_cut
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +154,7 @@ def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
     assert f"exists: slot {names.slot}_1of2" in again.stdout
 
     prefixes = [f"{names.topic_prefix}_s{k}" for k in range(2)]
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     relays = [
         shard_relay(
             tmp_path,
@@ -155,6 +163,7 @@ def test_two_shards_split_the_outbox_by_aggregate_each_in_order(
             names,
             f"{k}/2",
             topic_template=f"{prefixes[k]}.{{aggregate_type}}",
+            messages="true",
         ).start()
         for k in range(2)
     ]
@@ -267,10 +276,15 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
 ) -> None:
     base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
     assert cli("setup-slot", *base, "--shards", "2").returncode == 0
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
     old = [
-        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2").start() for k in range(2)
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2", messages="true").start()
+        for k in range(2)
     ]
-    new = [shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3") for k in range(3)]
+    new = [
+        shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/3", messages="true")
+        for k in range(3)
+    ]
     try:
         load = Load(outbox_db, writers=3, pause=0.001, aggregates=40).start()
         emitted = emit(outbox_db, [("invoice", f"before{i}") for i in range(30)])
@@ -331,6 +345,36 @@ def test_reshard_from_two_to_three_under_writes_loses_nothing_and_duplicates_not
     wait_until(lambda: cli("status", *base, "--shards", "3").returncode == 0, 30, "the new shards")
 
 
+def test_reshard_from_a_generation_a_reshard_has_left_is_refused(
+    outbox_db: str, names: Any
+) -> None:
+    """Once the relays stream the shards of a reshard, a cut naming the slots they left would
+    stop none of them: both generations would relay what follows it."""
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    assert cli("setup-slot", *base).returncode == 0
+    first = cli("reshard", *base, "--from", "1", "--to", "2")
+    assert first.returncode == 0, first.stderr
+    # The slot without shards is still there (dropped once its relay stopped at the cut).
+    again = cli("reshard", *base, "--from", "1", "--to", "3")
+    output = (again.stdout + again.stderr).strip()
+    assert again.returncode == 1, output
+    assert len(output.splitlines()) == 1, output
+    assert f"{names.slot}_0of2" in output and "--from 2" in output, output
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        made = conn.execute(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE %s",
+            [f"{names.slot}_%of3"],
+        ).fetchone()
+    assert made == (0,)
+    # From the generation the relays stream, it goes on; back to one shard, that one is the
+    # generation --from 1 names from then on, not the slot without shards.
+    assert cli("reshard", *base, "--from", "2", "--to", "1").returncode == 0
+    last = cli("reshard", *base, "--from", "1", "--to", "3")
+    assert last.returncode == 0, last.stderr
+    assert f"the relays of {names.slot}_0of1 stop at it" in last.stdout, last.stdout
+    assert "drop-slot --shards 1 --yes" in last.stdout, last.stdout
+
+
 def test_shard_mistakes_are_one_line_errors(outbox_db: str, names: Any) -> None:
     base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
 
@@ -355,3 +399,122 @@ def test_shard_mistakes_are_one_line_errors(outbox_db: str, names: Any) -> None:
     assert "this reshard is done" in again and "do not drop them" in again
     assert cli("drop-slot", *base, "--shards", "2", "--yes").returncode == 0
     assert cli("drop-slot", *base, "--shards", "4", "--yes").returncode == 0
+
+
+def test_a_transaction_committed_between_the_cut_message_and_its_commit_is_before_the_cut(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """The cut's place among the transactions is its commit. Held open after its message (as
+    a slow COMMENT or a network pause would), the cut transaction has B's event and A's event
+    a2 commit before it; a2 is too large for its topic, so the old relay delivers B's, is
+    refused a2 and stops with exit 1. Its slot is then confirmed past the cut message (B's
+    transaction) but not past the cut's commit: the new shards must wait, or A's a3 after the
+    cut overtakes a2 (before: both passed the cut, and Kafka held a1, a3 and never a2)."""
+    prefix = names.topic_prefix
+    big = f"{prefix}.big"
+    create_topics(kafka_service.bootstrap, {big: {"max.message.bytes": "2000"}})
+    spec = SlotSpec(slot=names.slot, publication=names.publication, table="outbox_events")
+    setup(outbox_db, spec)
+    old = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), "old")
+    new = [shard_relay(tmp_path, outbox_db, kafka_service, names, f"{k}/2") for k in range(2)]
+    writer = Writer(outbox_db)
+    try:
+        old.start()
+        writer.transaction([("big", "A", {"n": 1})])
+        plan = prepare_reshard(outbox_db, spec, 1, 2)
+        for relay in new:
+            relay.start()
+        with psycopg.connect(outbox_db, row_factory=dict_row) as cut:
+            write_cut(cut, plan)
+            writer.transaction([("small", "B", {"n": 1})])
+            # Random hex: the producer compresses, and "x" * 5000 would fit after all.
+            writer.transaction([("big", "A", {"n": 2, "pad": secrets.token_hex(4000)})])
+            cut.commit()
+        writer.transaction([("big", "A", {"n": 3})])
+        assert old.wait(90) == 1, old.log()[-2000:]
+        assert "Kafka refused event" in old.log()
+        wait_until(
+            lambda: all("waiting for the relays of" in relay.log() for relay in new),
+            60,
+            "the new relays to wait at the cut",
+        )
+        time.sleep(3)
+        assert all("passed resharding cut" not in relay.log() for relay in new)
+        set_topic_config(kafka_service.bootstrap, big, "max.message.bytes", "1000000")
+        old.start()
+        assert old.wait(90) == 0, old.log()[-2000:]
+        assert "reached resharding cut" in old.log()
+        received = consume(kafka_service.bootstrap, prefix, expected=4, timeout=90)
+        assert [relay.stop() for relay in new] == [0, 0]
+    finally:
+        writer.close()
+        for relay in [old, *new]:
+            relay.close()
+    verdict = check(writer.written, received, prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.duplicates == 0
+    assert verdict.out_of_order == []
+    assert all("passed resharding cut" in relay.log() for relay in new)
+
+
+@pytest.mark.parametrize("takeover", ["past the cut", "before the cut"])
+def test_a_standby_of_a_new_shard_taking_over_relays_everything(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, takeover: str
+) -> None:
+    """A standby of new shard 0/2, started before the cut was written, decided at start that
+    its slot had not passed the cut. ``past the cut``: the active relay passes the cut,
+    relays and confirms, and is killed; the standby takes over a slot past the cut, which it
+    never sees again: deciding from the position read before it held the slot, it would skip
+    every event for ever. ``before the cut``: the active relay is killed while it waits at
+    the cut for the old relay, which is frozen; the standby waits there in turn."""
+    base = ["--dsn", outbox_db, "--slot", names.slot, "--publication", names.publication]
+    assert cli("setup-slot", *base).returncode == 0
+    old = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), "old")
+    writer = Writer(outbox_db)
+    active = shard_relay(tmp_path, outbox_db, kafka_service, names, "0/2")
+    standby = shard_relay(tmp_path, outbox_db, kafka_service, names, "0/2", standby="true")
+    standby.name = "standby"
+    other = shard_relay(tmp_path, outbox_db, kafka_service, names, "1/2")
+    try:
+        old.start()
+        for i in range(10):
+            writer.transaction([("order", f"a{i}", {"before": i})])
+        plan = prepare_reshard(
+            outbox_db, SlotSpec(names.slot, names.publication, "outbox_events"), 1, 2
+        )
+        active.start()
+        wait_until(lambda: "starts after resharding cut" in active.log(), 60, "the active relay")
+        standby.start()
+        other.start()
+        wait_until(lambda: "standing by" in standby.log(), 60, "the standby to stand by")
+        if takeover == "before the cut":
+            old.signal(signal.SIGSTOP)
+        with psycopg.connect(outbox_db, row_factory=dict_row) as cut:
+            write_cut(cut, plan)
+        for i in range(10):
+            writer.transaction([("order", f"a{i}", {"after": i})])
+        if takeover == "past the cut":
+            wait_until(lambda: "passed resharding cut" in active.log(), 60, "the cut passed")
+            time.sleep(2)  # it relays and confirms past the cut
+        else:
+            wait_until(lambda: "waiting for the relays of" in active.log(), 60, "the cut")
+        active.kill()
+        wait_until(lambda: "streaming slot" in standby.log(), 60, "the standby to take over")
+        if takeover == "before the cut":
+            old.signal(signal.SIGCONT)
+        for i in range(10):
+            writer.transaction([("order", f"a{i}", {"later": i})])
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=30, timeout=90)
+        assert old.wait(60) == 0
+        assert standby.stop() == 0
+        assert other.stop() == 0
+    finally:
+        writer.close()
+        for relay in [old, active, standby, other]:
+            relay.close()
+    verdict = check(writer.written, received, names.topic_prefix)
+    print(verdict)
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert "passed resharding cut" in standby.log() or takeover == "past the cut"

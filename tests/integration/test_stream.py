@@ -487,3 +487,43 @@ def test_a_slot_dropped_while_the_relay_reconnects_stops_it_with_the_remedy(
         "setup-slot first"
     ), relay.log()
     assert "Traceback" not in relay.log()
+
+
+@pytest.mark.pg18
+@pytest.mark.parametrize("publication", ["OutboxPub", "outbox pub, v2"])
+def test_a_publication_whose_name_pgoutput_would_fold_or_split_streams_every_event(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, publication: str
+) -> None:
+    """pgoutput reads publication_names as a list of identifiers: unquoted, ``OutboxPub`` was
+    asked for as ``outboxpub`` (PostgreSQL 15 ended every stream at the first change, 18 skipped
+    the change with a warning and the slot moved past it), and a comma split the name."""
+    publication = f"{publication} {names.suffix}"
+    setup = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "setup-slot", "--dsn", outbox_db],
+        env={
+            **relay_env(outbox_db, kafka_service.bootstrap, names),
+            "CDC_RELAY_PUBLICATION": publication,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert setup.returncode == 0, setup.stderr
+    env = relay_env(outbox_db, kafka_service.bootstrap, names)
+    env["CDC_RELAY_PUBLICATION"] = publication
+    relay = RelayProcess(tmp_path, env)
+    try:
+        relay.start()
+        writer = Writer(outbox_db)
+        for i in range(5):
+            writer.transaction([("order", f"a{i % 2}", {"i": i})])
+        writer.close()
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=5, timeout=60)
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    verdict = check(writer.written, received, names.topic_prefix)
+    assert verdict.lost == []
+    assert verdict.out_of_order == []
+    assert "does not exist" not in relay.log()
+    assert pending_inserts(outbox_db, names.slot, publication) == 0

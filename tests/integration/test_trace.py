@@ -23,6 +23,7 @@ from relaytools import (
     relay_env,
     setup_slot,
     wait_until,
+    writers_only,
 )
 
 from cdc_relay.outbox import write_event
@@ -107,7 +108,9 @@ def test_trace_follows_an_event_from_the_slot_to_kafka(
     assert found["pending"]["form"] == "message"
     assert found["pending"]["aggregate_id"] == "k-2"
 
-    relay = RelayProcess(tmp_path, relay_env(outbox_db, bootstrap, names)).start()
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
+    env = relay_env(outbox_db, bootstrap, names, messages="true")
+    relay = RelayProcess(tmp_path, env).start()
     try:
         received = {r.id: r for r in consume(bootstrap, names.topic_prefix, 2, settle=0.5)}
         # While the relay streams the slot: read through a copy, the relay undisturbed.
@@ -264,3 +267,45 @@ def test_trace_says_the_relay_is_behind_when_it_streams_the_slot_without_confirm
         f"; the relay (pid {found['slot']['active_pid']}) is behind, or waits for Kafka's "
         "acknowledgement"
     )
+
+
+def test_trace_finds_the_row_of_a_table_in_a_schema_named_by_a_reserved_word(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute('CREATE SCHEMA "user"')
+        conn.execute('CREATE TABLE "user".outbox_events (LIKE public.outbox_events INCLUDING ALL)')
+        event = str(uuid.uuid4())
+        conn.execute(
+            'INSERT INTO "user".outbox_events (id, aggregate_type, aggregate_id, event_type, '
+            "payload) VALUES (%s, 'order', '1', 'order.created', '{}')",
+            [event],
+        )
+    code, found = trace(
+        outbox_db, kafka_service.bootstrap, names, event, "--table", '"user".outbox_events'
+    )
+    assert code == 3
+    assert found["row"]["id"] == event
+    assert found["committed"] is True
+
+
+def test_trace_reads_a_lagging_slot_up_to_a_bound_of_wal(
+    outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """A slot far behind on a busy database: the changes of other tables are decoded and left
+    out, so a bound on changes alone would let trace decode every byte of WAL the slot holds
+    back, on the primary. --max-wal-bytes bounds it, and the answer says the scan was cut."""
+    setup_slot(outbox_db, names)
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE busy (n int, pad text)")
+        conn.execute("INSERT INTO busy SELECT n, repeat('x', 200) FROM generate_series(1, 20000) n")
+    event = write(outbox_db)  # after about 5 MB of other WAL
+    code, found = trace(
+        outbox_db, kafka_service.bootstrap, names, event, "--max-wal-bytes", "1000000"
+    )
+    assert code == 3
+    assert found["pending"] is None
+    assert found["pending_scan"] == "cut"
+    assert "--max-wal-bytes" in found["answer"], found["answer"]
+    code, found = trace(outbox_db, kafka_service.bootstrap, names, event)  # 1 GB by default
+    assert found["pending"]["form"] == "row"

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from psycopg.conninfo import conninfo_to_dict
-from relaytools import RelayProcess, consume, relay_env, setup_slot
+from relaytools import RelayProcess, consume, relay_env, setup_slot, writers_only
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -255,7 +255,9 @@ def test_an_event_reaches_kafka_if_and_only_if_its_transaction_commits(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, kind: str
 ) -> None:
     setup_slot(outbox_db, names)
-    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    writers_only(outbox_db)  # stream --messages, once only writers may emit messages
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, messages="true")
+    relay = RelayProcess(tmp_path, env).start()
     try:
 
         async def run() -> list[tuple[uuid.UUID, bytes]]:
@@ -322,3 +324,67 @@ def test_the_async_consumer_handles_a_redelivered_event_once(outbox_db: str) -> 
     assert other_consumer
     with psycopg.connect(outbox_db) as conn:
         assert conn.execute("SELECT count(*) FROM ledger").fetchone() == (1,)
+
+
+# -- the table named as the relays resolve it -------------------------------------------------
+
+TABLE_NAMES = [
+    "Tenant.Outbox_Events",  # unquoted: folded to lower case, as --table is
+    '"Odd Schema".outbox_events',
+    '"Odd Schema"."Mixed"',
+    " tenant . outbox_events ",
+    "OUTBOX_EVENTS",  # unqualified: through search_path, as --table is
+]
+
+
+@pytest.mark.parametrize("name", TABLE_NAMES)
+def test_the_writers_name_the_table_as_the_relays_resolve_table(outbox_db: str, name: str) -> None:
+    """``write_event(table=NAME)`` writes into the table ``--table NAME`` names: PostgreSQL's
+    reading of a name (quotes, case folding, search_path), not a case-sensitive one."""
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA tenant")
+        conn.execute('CREATE SCHEMA "Odd Schema"')
+        for table in ("tenant.outbox_events", '"Odd Schema".outbox_events', '"Odd Schema"."Mixed"'):
+            conn.execute(f"CREATE TABLE {table} (LIKE public.outbox_events INCLUDING ALL)")
+        (resolved,) = conn.execute("SELECT to_regclass(%s)::oid::bigint", [name]).fetchone() or ()
+    assert resolved is not None
+
+    engine = sa.create_engine(engine_url(outbox_db))
+    try:
+        with psycopg.connect(outbox_db) as conn, conn.transaction():
+            written = [
+                outbox.write_event(
+                    conn,
+                    aggregate_type="order",
+                    aggregate_id="1",
+                    event_type="e",
+                    payload={},
+                    table=name,
+                )
+            ]
+        with Session(engine) as session, session.begin():
+            written.append(
+                alchemy.write_event(
+                    session,
+                    aggregate_type="order",
+                    aggregate_id="1",
+                    event_type="e",
+                    payload={},
+                    table=name,
+                )
+            )
+    finally:
+        engine.dispose()
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        tables = {
+            row[0]
+            for row in conn.execute(
+                "SELECT tableoid::bigint FROM public.outbox_events WHERE id = ANY(%(ids)s)"
+                " UNION ALL SELECT tableoid::bigint FROM tenant.outbox_events"
+                " WHERE id = ANY(%(ids)s) UNION ALL SELECT tableoid::bigint FROM"
+                ' "Odd Schema".outbox_events WHERE id = ANY(%(ids)s) UNION ALL SELECT'
+                ' tableoid::bigint FROM "Odd Schema"."Mixed" WHERE id = ANY(%(ids)s)',
+                {"ids": written},
+            )
+        }
+    assert tables == {resolved}

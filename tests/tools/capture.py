@@ -1,11 +1,15 @@
 """Capture real pgoutput and wal2json messages for the decoders' unit tests.
 
-    python tests/tools/capture_pgoutput.py "host=... dbname=..." tests/unit/data
+    python tests/tools/capture.py "host=... dbname=..." tests/unit/data
+    python tests/tools/capture.py "host=... dbname=..." tests/unit/data --positions
+    python tests/tools/capture.py "host=... dbname=..." tests/unit/data --cut
 
 Runs a small workload, streams it through two temporary slots (pgoutput with
 ``messages 'true'``, and wal2json format-version 2 with the options the relay uses) and
 writes one JSON line per XLogData message to pgoutput.jsonl and wal2json.jsonl: the label of
-the step that caused it and the message bytes in hex. Needs a database where sql/outbox.sql
+the step that caused it and the message bytes in hex. With ``--positions``, the workload of
+units that share a position (POSITION_STEPS) goes to pgoutput-positions.jsonl and
+wal2json-positions.jsonl instead. Needs a database where sql/outbox.sql
 was applied, and the wal2json plugin installed.
 """
 
@@ -19,7 +23,7 @@ from pathlib import Path
 import psycopg
 
 from cdc_relay import pgoutput, wal2json
-from cdc_relay.events import Begin
+from cdc_relay.events import Begin, LogicalMessage
 from cdc_relay.lsn import parse
 from cdc_relay.replication import ReplicationConnection, XLogData
 
@@ -71,6 +75,53 @@ STEPS = [
     ("truncate", "TRUNCATE outbox_events"),
 ]
 
+# Two units at one LSN (ARCHITECTURE.md, invariant 11): a non-transactional message ends where
+# the next WAL record starts; emitted last in a transaction, that record is the commit's.
+POSITION_STEPS = [
+    (
+        "message at the commit of its transaction",
+        "BEGIN; "
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+        "SELECT ('6f1c1b7e-2a51-4c43-9d0e-' || lpad(i::text, 12, '0'))::uuid, 'order', "
+        """'o-' || i, 'order.created', jsonb_build_object('n', i) """
+        "FROM generate_series(1, 6) i; "
+        """SELECT pg_logical_emit_message(false, 'outbox', '{"v": 2, "id": "m-at-commit", """
+        """"aggregate_type": "order", "aggregate_id": "o-m", "event_type": "order.noted", """
+        """"payload": {"m": 1}}'); """
+        "COMMIT",
+    ),
+    (
+        "a transaction after it",
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+        "VALUES ('6f1c1b7e-2a51-4c43-9d0e-0000000000ff', 'order', 'o-7', 'order.created', "
+        """'{"n": 7}')""",
+    ),
+]
+
+
+# A resharding cut as reshard writes it (slot.write_cut: a transactional message of prefix
+# cdc-relay-cut naming the old slots, alone in its transaction), between outbox transactions.
+CUT_MESSAGE = '{"cut": "6f1c1b7e-0c00-4c43-9d0e-00000000c001", "slots": ["old"]}'
+
+
+# Two events per transaction, of aggregates o-0 and o-1, ids ending in the series' numbers.
+_CUT_INSERT = (
+    "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "
+    "SELECT ('6f1c1b7e-2a51-4c43-9d0e-' || lpad(i::text, 12, '0'))::uuid, 'order', "
+    """'o-' || (i %% 2), 'order.created', jsonb_build_object('n', i) """
+    "FROM generate_series(%s, %s + 1) i"
+)
+
+
+CUT_STEPS = [
+    *[("before the cut", _CUT_INSERT % (first, first)) for first in (1, 3, 5)],
+    (
+        "the cut",
+        f"BEGIN; SELECT pg_logical_emit_message(true, 'cdc-relay-cut', '{CUT_MESSAGE}'); COMMIT",
+    ),
+    *[("after the cut", _CUT_INSERT % (first, first)) for first in (101, 103, 105)],
+]
+
 
 SLOTS = {
     "pgoutput": (
@@ -88,7 +139,7 @@ SLOTS = {
 }
 
 
-def main(dsn: str, out_dir: str) -> None:
+def main(dsn: str, out_dir: str, steps: list[tuple[str, str]] = STEPS, suffix: str = "") -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"DROP PUBLICATION IF EXISTS {PUBLICATION}")
         conn.execute(f"CREATE PUBLICATION {PUBLICATION} FOR TABLE outbox_events")
@@ -100,13 +151,13 @@ def main(dsn: str, out_dir: str) -> None:
             )
             conn.execute("SELECT pg_create_logical_replication_slot(%s, %s)", (slot, plugin))
         marks = []
-        for label, statement in STEPS:
+        for label, statement in steps:
             conn.execute(statement)
             lsn = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
             marks.append((label, lsn[0] if lsn else ""))
     for plugin, (slot, options) in SLOTS.items():
         records = capture(dsn, plugin, slot, options, marks)
-        out = Path(out_dir) / f"{plugin}.jsonl"
+        out = Path(out_dir) / f"{plugin}{suffix}.jsonl"
         out.write_text("".join(json.dumps(r) + "\n" for r in records))
         print(f"{len(records)} messages written to {out}")
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -136,10 +187,17 @@ def capture(
                 if isinstance(record, Begin):
                     # The step: the first whose end mark lies past this transaction's commit.
                     label = next(name for name, mark in marks if parse(mark) > record.final_lsn)
+                elif isinstance(record, LogicalMessage) and not record.transactional:
+                    label = next(name for name, mark in marks if parse(mark) >= record.lsn)
             records.append({"step": label, "hex": message.data.hex()})
     stream.close()
     return records
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[3:] == ["--positions"]:
+        main(sys.argv[1], sys.argv[2], POSITION_STEPS, "-positions")
+    elif sys.argv[3:] == ["--cut"]:
+        main(sys.argv[1], sys.argv[2], CUT_STEPS, "-cut")
+    else:
+        main(sys.argv[1], sys.argv[2])

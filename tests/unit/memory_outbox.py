@@ -7,7 +7,8 @@ a row behind a waiting one of its aggregate is not due; a dead letter (``retry_a
 infinity) waits for good and holds nothing back; an aggregate is locked by one transaction
 at a time (its key: hashtext of type/id, as PostgreSQL's); a row another transaction locks
 is skipped, not waited for. A transaction's marks take effect when it commits, and none when
-it raises. The test may make any query fail with a psycopg error, once, as PostgreSQL would.
+it raises. The test may make any query fail with a psycopg error, once, as PostgreSQL would,
+and end every session (``end_sessions``: terminated, timed out), which releases its claims.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import psycopg
 
 from cdc_relay.shards import hashtext
 from cdc_relay.store import Outbox, OutboxRow
@@ -81,22 +84,40 @@ class MemoryOutbox:
         self.rollbacks = 0
         self.claimed: list[list[str]] = []  # the ids of each claim that returned rows
         self.before_claim: Callable[[], object] = lambda: None  # the test's look, each claim
+        self.sessions: list[MemoryClaims] = []  # every worker's claims
 
-    def add(self, aggregate: str, n: int = 1, payload: bytes | None = b"{}") -> list[str]:
-        """``n`` new rows of aggregate ``aggregate`` (type ``order``); their ids."""
+    def add(
+        self,
+        aggregate: str,
+        n: int = 1,
+        payload: bytes | None = b"{}",
+        aggregate_type: str = "order",
+    ) -> list[str]:
+        """``n`` new rows of aggregate ``aggregate`` (of ``aggregate_type``); their ids."""
         ids = []
         with self.lock:
             for _ in range(n):
                 seq = len(self.rows) + 1
                 ids.append(f"00000000-0000-0000-0000-{seq:012d}")
-                self.rows.append(Row(seq, ids[-1], "order", aggregate, payload))
+                self.rows.append(Row(seq, ids[-1], aggregate_type, aggregate, payload))
         return ids
 
     def row(self, row_id: str) -> Row:
         return next(r for r in self.rows if r.id == row_id)
 
     def claims(self) -> MemoryClaims:
-        return MemoryClaims(self)
+        claims = MemoryClaims(self)
+        self.sessions.append(claims)
+        return claims
+
+    def end_sessions(self) -> None:
+        """PostgreSQL ends every session now (pg_terminate_backend, a timeout): their claims are
+        released, and each one's next query fails; ``lost`` says so without one."""
+        with self.lock:
+            for claims in self.sessions:
+                if claims.connected:
+                    claims.ended = True
+                    claims.release()
 
     def pending_counts(self) -> dict[str, int] | None:
         with self.lock:
@@ -121,7 +142,18 @@ class MemoryClaims:
     def __init__(self, outbox: MemoryOutbox) -> None:
         self.store = outbox
         self.connected = False
+        self.ended = False  # PostgreSQL ended the session (MemoryOutbox.end_sessions)
         self._marks: list[tuple[Row, dict[str, Any]]] | None = None  # in the transaction
+
+    def _query(self, name: str) -> None:
+        """A query of the connection: refused once its session has ended, else the test's
+        error for it, if any."""
+        if self.ended:
+            raise psycopg.OperationalError("terminating connection due to administrator command")
+        self.store.failing(name)
+
+    def lost(self) -> bool:
+        return self.ended
 
     def open(self) -> None:
         if not self.connected:
@@ -141,7 +173,7 @@ class MemoryClaims:
                 store.rollbacks += 1
             raise
         else:
-            store.failing("commit")
+            self._query("commit")
             with store.lock:
                 for row, changes in self._marks:
                     for name, value in changes.items():
@@ -150,9 +182,9 @@ class MemoryClaims:
                 store.commits += 1
         finally:
             self._marks = None
-            self._release()
+            self.release()
 
-    def _release(self) -> None:
+    def release(self) -> None:
         with self.store.lock:
             for key in [k for k, holder in self.store.advisory.items() if holder is self]:
                 del self.store.advisory[key]
@@ -167,7 +199,7 @@ class MemoryClaims:
 
     def claim_aggregates(self, limit: int, shard: int, shards: int, skip: list[int]) -> list[int]:
         assert self._marks is not None, "outside a transaction"
-        self.store.failing("claim_aggregates")
+        self._query("claim_aggregates")
         self.store.before_claim()
         now = time.monotonic()
         keys: set[int] = set()
@@ -192,7 +224,7 @@ class MemoryClaims:
 
     def claim(self, limit: int, keys: list[int]) -> list[OutboxRow]:
         assert self._marks is not None, "outside a transaction"
-        self.store.failing("claim")
+        self._query("claim")
         now = time.monotonic()
         with self.store.lock:
             rows = [
@@ -223,7 +255,7 @@ class MemoryClaims:
 
     def claim_skipped(self, keys: list[int], last: int, ids: list[str]) -> dict[int, int]:
         assert self._marks is not None, "outside a transaction"
-        self.store.failing("claim_skipped")
+        self._query("claim_skipped")
         now = time.monotonic()
         skipped: dict[int, int] = {}
         with self.store.lock:
@@ -232,9 +264,24 @@ class MemoryClaims:
                     skipped[r.key] = min(skipped.get(r.key, r.seq), r.seq)
         return skipped
 
+    def published_after(self, ids: list[str]) -> dict[str, int]:
+        self._query("published_after")
+        with self.store.lock:
+            after = {}
+            for row_id in ids:
+                row = self.store.row(row_id)
+                later = [
+                    r.seq
+                    for r in self.store.rows
+                    if r.processed and r.aggregate_id == row.aggregate_id and r.seq > row.seq
+                ]
+                if later:
+                    after[row_id] = max(later)
+            return after
+
     def mark_processed(self, ids: list[str]) -> None:
         assert self._marks is not None, "outside a transaction"
-        self.store.failing("mark_processed")
+        self._query("mark_processed")
         for row_id in ids:
             self._marks.append((self.store.row(row_id), {"processed": True}))
 
@@ -247,7 +294,7 @@ class MemoryClaims:
         max_attempts: int,
     ) -> dict[str, dict[str, Any]]:
         assert self._marks is not None, "outside a transaction"
-        self.store.failing("mark_failed")
+        self._query("mark_failed")
         outcome = {}
         now = time.monotonic()
         for row_id, error, delay, its_own in zip(ids, errors, delays, own, strict=True):
@@ -269,4 +316,5 @@ class MemoryClaims:
 
     def close(self) -> None:
         self.connected = False
-        self._release()
+        self.ended = False  # the next transaction connects anew
+        self.release()

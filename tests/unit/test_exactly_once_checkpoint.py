@@ -11,11 +11,14 @@ import pytest
 
 from cdc_relay.errors import UsageError
 from cdc_relay.exactly_once import (
+    MESSAGE,
     Checkpoint,
     Committer,
     ExactlyOnce,
     Skipper,
     TransactionalSink,
+    Unit,
+    UnreadableCheckpoint,
     check_interval,
 )
 from cdc_relay.lsn import Lsn
@@ -26,21 +29,57 @@ def skipped(checkpoint: Checkpoint, units: list[tuple[int, int]]) -> list[tuple[
     skipper = Skipper(checkpoint)
     result = []
     for position, events in units:
-        skipper.unit(position)
+        skipper.unit(Unit(position))
         result.append((position, sum(skipper.skip() for _ in range(events))))
     return result
 
 
 def test_a_checkpoint_survives_its_encoding_and_reads_the_older_one_without_timeline() -> None:
-    checkpoint = Checkpoint(0x3000, 0x3100, 7, timeline=2)
+    checkpoint = Checkpoint(Unit(0x3000), Unit(0x3100), 7, timeline=2)
     assert Checkpoint.decode(checkpoint.encode()) == checkpoint
+    at_message = Checkpoint(Unit(0x3000, MESSAGE), Unit(0x3000), 2, timeline=2)
+    assert Checkpoint.decode(at_message.encode()) == at_message
+    # Version 1 named a unit by its LSN alone: read as the message that may end there, so a
+    # transaction committing at that LSN is replayed, never skipped unseen.
     older = b'{"v": 1, "position": 12288, "partial_position": 0, "partial_events": 0}'
-    assert Checkpoint.decode(older) == Checkpoint(12288)
+    assert Checkpoint.decode(older) == Checkpoint(Unit(12288, MESSAGE), Unit(0, MESSAGE))
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        b'{"v": 3, "position": 1, "position_kind": "epoch", "partial_position": 0, '
+        b'"partial_events": 0}',
+        b'{"v": 2, "position": "far"}',
+        b"not json",
+        b"[]",
+    ],
+)
+def test_a_checkpoint_record_it_cannot_read_is_one_line_with_the_remedy(record: bytes) -> None:
+    with pytest.raises(UnreadableCheckpoint) as failure:
+        Checkpoint.decode(record)
+    assert "\n" not in str(failure.value)
+    assert "transactional id" in str(failure.value)
+
+
+def test_a_message_and_the_transaction_committing_at_its_lsn_are_two_units() -> None:
+    """A non-transactional message ends where the next commit record starts: the message at
+    0x2000 comes first, then the transaction committing at 0x2000 (invariant 11). A
+    checkpoint after the message and 3 events of that transaction skips exactly those."""
+    units = [Unit(0x1000), Unit(0x2000, MESSAGE), Unit(0x2000), Unit(0x3000)]
+    assert units == sorted(units)
+    checkpoint = Checkpoint(Unit(0x2000, MESSAGE), Unit(0x2000), 3)
+    skipper = Skipper(checkpoint)
+    result = []
+    for unit, events in zip(units, [2, 1, 5, 1], strict=True):
+        skipper.unit(unit)
+        result.append(sum(skipper.skip() for _ in range(events)))
+    assert result == [2, 1, 3, 0]
 
 
 def test_a_replay_skips_the_whole_units_and_the_part_of_the_split_one_kafka_has() -> None:
     units = [(0x1000, 3), (0x2000, 2), (0x3000, 5), (0x4000, 1)]
-    assert skipped(Checkpoint(0x2000, 0x3000, 3), units) == [
+    assert skipped(Checkpoint(Unit(0x2000), Unit(0x3000), 3), units) == [
         (0x1000, 3),
         (0x2000, 2),
         (0x3000, 3),
@@ -49,29 +88,32 @@ def test_a_replay_skips_the_whole_units_and_the_part_of_the_split_one_kafka_has(
 
 
 def test_on_its_own_timeline_or_an_unknown_one_the_checkpoint_is_trusted_whole() -> None:
-    checkpoint = Checkpoint(0x5000, 0x6000, 4, timeline=1)
+    checkpoint = Checkpoint(Unit(0x5000), Unit(0x6000), 4, timeline=1)
     assert checkpoint.trusted_on(1, confirmed=0x1000) is checkpoint
     assert checkpoint.trusted_on(0, confirmed=0x1000) is checkpoint  # a standby: unknown
-    assert Checkpoint(0x5000).trusted_on(2, confirmed=0x1000) == Checkpoint(0x5000)  # older one
+    assert Checkpoint(Unit(0x5000)).trusted_on(2, confirmed=0x1000) == Checkpoint(
+        Unit(0x5000)
+    )  # older one
 
 
 def test_on_another_timeline_nothing_past_the_slot_is_skipped() -> None:
     """A checkpoint of the old primary at 0x5000; the new primary's slot at 0x3000 and its
     own transactions after it: none of them may be taken for one Kafka has."""
-    checkpoint = Checkpoint(0x5000, 0x6000, 4, timeline=1)
+    checkpoint = Checkpoint(Unit(0x5000), Unit(0x6000), 4, timeline=1)
     trusted = checkpoint.trusted_on(2, confirmed=0x3000)
-    assert trusted == Checkpoint(0x3000, timeline=2)
+    assert trusted == Checkpoint(Unit(0x3000, MESSAGE), timeline=2)
     units = [(0x2800, 2), (0x3000, 1), (0x4000, 3), (0x5000, 2), (0x6000, 4)]
+    # A transaction committing at 0x3000 ends past the slot's position: replayed, not skipped.
     assert skipped(trusted, units) == [
         (0x2800, 2),
-        (0x3000, 1),
+        (0x3000, 0),
         (0x4000, 0),
         (0x5000, 0),
         (0x6000, 0),
     ]
     # Before the slot's position the history is shared: what Kafka has there is still skipped.
-    behind = Checkpoint(0x2000, 0x2800, 1, timeline=1).trusted_on(2, confirmed=0x3000)
-    assert behind == Checkpoint(0x2000, 0x2800, 1, timeline=2)
+    behind = Checkpoint(Unit(0x2000), Unit(0x2800), 1, timeline=1).trusted_on(2, confirmed=0x3000)
+    assert behind == Checkpoint(Unit(0x2000), Unit(0x2800), 1, timeline=2)
 
 
 class _Transactions:
@@ -98,7 +140,7 @@ def committer(checkpoint: Checkpoint, timeline: int = 1) -> tuple[Committer, _Tr
 
 def first_skipped(eos: Committer, position: Lsn) -> bool:
     """Whether the first event of the unit at ``position`` is skipped as in Kafka already."""
-    eos.unit_begins(position)
+    eos.unit_begins(Unit(position))
     return eos.skip()
 
 
@@ -106,10 +148,10 @@ def test_the_committer_replays_past_its_checkpoint_and_commits_where_the_stream_
     """A relay restarted at the slot (0x1000) whose checkpoint reaches 0x2000 and 3 events of
     the unit at 0x3000: it skips those, produces the rest, and each commit's checkpoint says
     exactly how far the produced events reach, a split unit by its count."""
-    eos, sink = committer(Checkpoint(0x2000, 0x3000, 3, timeline=1))
+    eos, sink = committer(Checkpoint(Unit(0x2000), Unit(0x3000), 3, timeline=1))
     produced = []
     for position, events in [(0x1000, 2), (0x2000, 1), (0x3000, 5), (0x4000, 2)]:
-        eos.unit_begins(position)
+        eos.unit_begins(Unit(position))
         for n in range(events):
             if not eos.skip():
                 eos.produced()
@@ -122,14 +164,17 @@ def test_the_committer_replays_past_its_checkpoint_and_commits_where_the_stream_
     assert not eos.replaying
     sink.events = 2
     eos.commit()
-    assert sink.commits == [Checkpoint(0x2000, 0x3000, 5, 1), Checkpoint(0x4000, timeline=1)]
-    assert eos.committed == Checkpoint(0x4000, timeline=1)
+    assert sink.commits == [
+        Checkpoint(Unit(0x2000), Unit(0x3000), 5, 1),
+        Checkpoint(Unit(0x4000), timeline=1),
+    ]
+    assert eos.committed == Checkpoint(Unit(0x4000), timeline=1)
 
 
 def test_after_a_reconnect_the_committer_skips_what_it_committed_itself() -> None:
     eos, sink = committer(Checkpoint())
     for position in (0x1000, 0x2000):
-        eos.unit_begins(position)
+        eos.unit_begins(Unit(position))
         assert not eos.skip()
         eos.produced()
         eos.unit_ends()
@@ -145,13 +190,14 @@ def test_after_a_reconnect_the_committer_skips_what_it_committed_itself() -> Non
 def test_a_committer_on_a_new_timeline_trusts_its_checkpoint_only_up_to_the_slot() -> None:
     """Reconnected to a promoted server: the checkpoint held (timeline 1) reaches 0x5000, the
     slot there 0x2000; WAL past it may be the new primary's own, and must not be skipped."""
-    eos, _ = committer(Checkpoint(0x5000, timeline=1))
-    assert eos.committed == Checkpoint(0x5000, timeline=1)
+    eos, _ = committer(Checkpoint(Unit(0x5000), timeline=1))
+    assert eos.committed == Checkpoint(Unit(0x5000), timeline=1)
     eos.timeline = 2
     assert not eos.trust(eos.committed, confirmed=0x2000)
-    assert eos.committed == Checkpoint(0x2000, timeline=2)
-    assert first_skipped(eos, 0x2000)
-    assert not first_skipped(eos, 0x3000)
+    assert eos.committed == Checkpoint(Unit(0x2000, MESSAGE), timeline=2)
+    assert first_skipped(eos, 0x1800)
+    # A transaction committing at the slot's position ends past it: the new primary's.
+    assert not first_skipped(eos, 0x2000)
     assert not eos.replaying
 
 

@@ -135,3 +135,9 @@ def test_every_truncation_of_every_captured_message_raises_decode_error() -> Non
                 pgoutput.decode(message[:end])
         with pytest.raises(DecodeError):
             pgoutput.decode(message + b"\x00")
+
+
+def test_publication_names_go_quoted_so_pgoutput_neither_folds_nor_splits_them() -> None:
+    assert pgoutput.publication_names("cdc_relay_outbox") == '"cdc_relay_outbox"'
+    assert pgoutput.publication_names("OutboxPub") == '"OutboxPub"'
+    assert pgoutput.publication_names('a "b", c', "d") == '"a ""b"", c","d"'

@@ -23,10 +23,12 @@ import psycopg
 import pytest
 from confluent_kafka import KafkaError
 from memory_outbox import MemoryOutbox
+from prometheus_client import REGISTRY
 from test_stream_loop import Sink, event_id
 
 from cdc_relay.errors import RelayError
 from cdc_relay.poller import PollRelay, PollSettings
+from cdc_relay.shards import hashtext
 
 WATCHDOG = 10.0  # seconds: a loop that never ends fails its test instead of hanging it
 
@@ -412,3 +414,117 @@ def test_stopping_with_reports_outstanding_leaves_the_rows_unprocessed(
     assert stop[-1].getMessage() == (
         "stopped; 4 messages were still waiting for Kafka and may be published again"
     )
+
+
+def test_a_claim_postgresql_released_while_kafka_was_away_is_dropped_not_delivered_late() -> None:
+    """The worker's session ends (terminated, idle_in_transaction_session_timeout) while Kafka
+    holds its batch: PostgreSQL released the claim, and another poller may publish those rows
+    and newer ones of their aggregates. The producer's copies are dropped before Kafka comes
+    back, instead of arriving after that poller's newer events."""
+    store = MemoryOutbox()
+    first = store.add("a", 3)
+    relay = Relay(store)
+    relay.setup = lambda sink: setattr(sink, "hold_all", True)  # Kafka away
+    state = {"ended": False}
+
+    def end_session_then_kafka_back() -> bool:
+        sinks = relay.sinks
+        if not state["ended"]:
+            if sinks and len(sinks[0].queue) == 3:
+                store.end_sessions()
+                state["ended"] = True
+            return False
+        if sinks[0].queue:
+            return False  # still holding the released claim's messages
+        for sink in sinks:
+            sink.hold_all = False  # Kafka is back
+        return store.done()
+
+    relay.run_until(end_session_then_kafka_back)
+
+    assert relay.error is None
+    assert relay.acked() == first  # each once, from the claim made again: not the dropped copies
+    assert all(store.row(i).marks == ["processed"] for i in first)
+
+
+def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its transaction committed after the later row went out (README.md, "Order per
+    aggregate on each path"): it follows that row, and the poller says so."""
+    store = MemoryOutbox()
+    first, second = store.add("a", 2)
+    store.row(second).processed = True  # published before the first row's commit
+    before = REGISTRY.get_sample_value("outbox_events_out_of_seq_order_total", {"relay": "poll"})
+    relay = Relay(store)
+
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.poller"):
+        relay.run_until(store.done)
+
+    assert relay.error is None
+    assert relay.acked() == [first]
+    after = REGISTRY.get_sample_value("outbox_events_out_of_seq_order_total", {"relay": "poll"})
+    assert (after or 0) - (before or 0) == 1
+    (said,) = [r for r in caplog.records if getattr(r, "action", None) == "out_of_seq_order"]
+    assert said.getMessage() == (
+        f"event {first} went out after event seq 2 of its aggregate, out of seq order (its seq "
+        "is 1): its transaction committed after that one was published"
+    )
+
+
+def test_a_refused_row_is_counted_in_outbox_events_failed() -> None:
+    """README.md lists outbox_events_failed_total among the poller's metrics."""
+    store = MemoryOutbox()
+    poison = store.add("b")[0]
+
+    def failed() -> float:  # whatever label its type got (metrics.count_failed)
+        return sum(
+            sample.value
+            for metric in REGISTRY.collect()
+            if metric.name == "outbox_events_failed"
+            for sample in metric.samples
+            if sample.name == "outbox_events_failed_total" and sample.labels["relay"] == "poll"
+        )
+
+    before = failed()
+    relay = Relay(store, max_attempts=2)
+    relay.poison[poison] = KafkaError.MSG_SIZE_TOO_LARGE
+
+    relay.run_until(store.done)
+
+    assert relay.error is None
+    assert store.row(poison).dead
+    assert failed() - before == 2
+
+
+def test_two_aggregate_types_made_into_one_topic_are_told_apart_across_workers() -> None:
+    """The workers share one router: whichever meets its name second is refused, though
+    each holds only one of them (a worker looks at its share of the aggregates)."""
+
+    def on_worker(n: int) -> str:
+        return next(
+            f"a{i}" for i in range(100) if (hashtext(f"a{i}".encode()) & 0x7FFFFFFF) % 2 == n
+        )
+
+    store = MemoryOutbox()
+    for n, aggregate_type in enumerate(("order/line", "order_line")):
+        store.add(on_worker(n), 3, aggregate_type=aggregate_type)
+    relay = Relay(store, workers=2, max_attempts=2)
+
+    relay.run_until(store.done)
+
+    assert relay.error is None
+    assert {event_id(m) for sink in relay.sinks for m in sink.acked} == {
+        r.id for r in store.rows if r.processed
+    }
+    processed = {r.aggregate_type for r in store.rows if r.processed}
+    dead = {r.aggregate_type for r in store.rows if r.dead}
+    assert len(processed) == len(dead) == 1 and processed != dead, (processed, dead)
+    (refused,) = dead
+    (kept,) = processed
+    for row in store.rows:
+        if row.dead:
+            assert f"'{refused}' and '{kept}' both make topic outbox.order_line" in (
+                row.last_error or ""
+            )
+            assert row.attempts == 2

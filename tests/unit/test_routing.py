@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,7 @@ from capture import pgoutput_messages
 from cdc_relay import pgoutput
 from cdc_relay.errors import UsageError
 from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper, SchemaError
-from cdc_relay.routing import Router, check_template, fill_table, legal_topic
+from cdc_relay.routing import Router, TopicTaken, check_template, fill_table, legal_topic
 
 
 def captured_event() -> OutboxEvent:
@@ -196,3 +197,97 @@ def test_fill_table_names_the_one_table_and_leaves_the_other_fields() -> None:
     )
     template = fill_table("{schema}.{aggregate_type}", "tenant_b", "outbox_events")
     assert Router(template).route(captured_event()).topic == "tenant_b.order"
+
+
+def typed(aggregate_type: str, number: int = 1) -> OutboxEvent:
+    """The captured event with another aggregate type and its own id."""
+    return replace(
+        captured_event(),
+        aggregate_type=aggregate_type,
+        id=f"00000000-0000-0000-0000-{number:012d}",
+        aggregate_id=f"k{number}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [("order/line", "order_line"), ("order_line", "order/line")]
+)
+def test_the_second_aggregate_type_made_into_a_topic_already_made_is_refused(
+    first: str, second: str
+) -> None:
+    router = Router()
+    assert router.route(typed(first, 1)).topic == "outbox.event.order_line"
+    refused = typed(second, 2)
+    with pytest.raises(TopicTaken) as taken:
+        router.route(refused)
+    text = str(taken.value)
+    assert "\n" not in text
+    assert text.startswith(
+        f"aggregate types '{second}' and '{first}' both make topic outbox.event.order_line "
+    ), text
+    assert f"event {refused.id} ({refused.event_type}, aggregate k2)" in text, text
+    assert "characters Kafka does not allow in a topic name become _" in text, text
+    # Where it would have gone, for the dead letters: the message as the router makes it.
+    message = taken.value.message
+    assert (message.topic, message.key, message.value) == (
+        "outbox.event.order_line",
+        b"k2",
+        refused.payload,
+    )
+    assert message.headers[:3] == [
+        ("id", refused.id.encode()),
+        ("event_type", refused.event_type.encode()),
+        ("aggregate_type", second.encode()),
+    ]
+    # The first keeps its topic, the second stays refused, whatever else comes between.
+    assert router.route(typed("order", 3)).topic == "outbox.event.order"
+    assert router.route(typed(first, 4)).topic == "outbox.event.order_line"
+    with pytest.raises(TopicTaken):
+        router.route(typed(second, 5))
+
+
+def test_names_kafka_refuses_alike_are_kept_apart_and_the_same_name_is_no_collision() -> None:
+    router = Router()
+    assert router.route(typed("gr\u00f6\u00dfe")).topic == "outbox.event.gr__e"
+    assert router.route(typed("gr\u00f6\u00dfe", 2)).topic == "outbox.event.gr__e"
+    with pytest.raises(TopicTaken, match="'gr\u0153\u00dfe' and 'gr\u00f6\u00dfe' both make"):
+        router.route(typed("gr\u0153\u00dfe", 3))
+    # Other event types of one aggregate type make one name: the template has no event_type.
+    assert router.route(replace(typed("gr\u00f6\u00dfe", 4), event_type="other")).topic == (
+        "outbox.event.gr__e"
+    )
+    # Names cut to 249 characters stay apart by their digest.
+    assert router.route(typed("a" * 300)).topic != router.route(typed("a" * 301)).topic
+
+
+def test_with_other_fields_in_the_template_the_names_it_made_are_told() -> None:
+    router = Router("outbox.{aggregate_type}.{event_type}")
+    router.route(replace(typed("order"), event_type="line/added"))
+    with pytest.raises(TopicTaken) as taken:
+        router.route(replace(typed("order", 2), event_type="line_added"))
+    assert str(taken.value).startswith(
+        "--topic-template 'outbox.{aggregate_type}.{event_type}' makes topic "
+        "outbox.order.line_added of 'outbox.order.line_added' and of 'outbox.order.line/added' "
+    ), str(taken.value)
+
+
+def test_threads_sharing_a_router_agree_on_which_name_a_topic_is_of() -> None:
+    router = Router()
+    start = threading.Barrier(8)
+    outcomes: list[str] = []
+
+    def route(n: int) -> None:
+        start.wait()
+        try:
+            router.route(typed(("order/line", "order_line")[n % 2], n))
+        except TopicTaken:
+            outcomes.append("refused")
+        else:
+            outcomes.append("routed")
+
+    threads = [threading.Thread(target=route, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["refused"] * 4 + ["routed"] * 4

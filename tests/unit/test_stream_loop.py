@@ -24,13 +24,23 @@ from capture import pgoutput_messages
 from confluent_kafka import KafkaError
 
 from cdc_relay import pgoutput
-from cdc_relay.deadletter import DeadLetters
-from cdc_relay.errors import DeliveryError
-from cdc_relay.events import Begin, Commit, Insert, Record, Relation
+from cdc_relay.checkpoint import Transaction
+from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
+from cdc_relay.errors import DeliveryError, RelayError, SlotInUseError
+from cdc_relay.events import (
+    Begin,
+    Commit,
+    Insert,
+    LogicalMessage,
+    OutboxEvent,
+    Record,
+    Relation,
+    SchemaError,
+)
 from cdc_relay.lsn import Lsn
 from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
-from cdc_relay.routing import Message
-from cdc_relay.stream import StreamRelay, StreamSettings
+from cdc_relay.routing import Message, Router, TopicTaken
+from cdc_relay.stream import Rewinds, StreamRelay, StreamSettings
 from cdc_relay.tables import OutboxTable
 
 BACKLOG = Path(__file__).parents[2] / "bench" / "data" / "pgoutput-backlog.jsonl"
@@ -48,9 +58,13 @@ def event_id(message: Message) -> str:
 
 
 def record_id(record: Record) -> str | None:
-    """The id of the event an insert carries (the first column, ``id``)."""
+    """The id of the event an insert (the first column, ``id``) or an outbox envelope in a
+    message carries."""
     if isinstance(record, Insert) and isinstance(record.values[0], bytes):
         return record.values[0].decode()
+    if isinstance(record, LogicalMessage):
+        envelope = json.loads(record.content)
+        return str(envelope["id"]) if "aggregate_type" in envelope else None
     return None
 
 
@@ -61,13 +75,18 @@ def first_seen(ids: Sequence[str]) -> list[str]:
 
 class Wal:
     """The server's side: captured messages in units of the stream (a transaction, Begin to
-    Commit), and what the relay asked of it and told it."""
+    Commit, or a non-transactional message, which ends at its own LSN), and what the relay
+    asked of it and told it."""
 
     def __init__(self, raw: Sequence[bytes]) -> None:
         self.units: list[tuple[Lsn, list[tuple[bytes, Record]]]] = []  # (end, messages)
         unit: list[tuple[bytes, Record]] = []
         for data in raw:
             record = pgoutput.decode(data)
+            if isinstance(record, LogicalMessage) and not record.transactional:
+                assert not unit
+                self.units.append((record.lsn, [(data, record)]))
+                continue
             unit.append((data, record))
             if isinstance(record, Commit):
                 self.units.append((record.end_lsn, unit))
@@ -86,6 +105,13 @@ class Wal:
         self.pauses: set[Lsn] = set()  # the transactions ending there come after a pause
         self.connections: list[Connection] = []
         self.born = time.monotonic()
+        self.timeline = 0  # the server's, as a reconnecting relay reads it (0: not known)
+        self.error: str | None = None  # the server ends every stream with it, at the first read
+        self.taken = 0  # another relay holds the slot for so many attempts to start
+        self.refuse_start: str | None = None  # the server refuses every start after the first
+        self.unreachable = 0  # attempts to start refused for want of a server, once not taken
+        self.on_taken: Callable[[], object] = lambda: None  # at each of them
+        self.on_lost: Callable[[], object] = lambda: None  # when the test cuts a connection
 
     def open(self, dsn: str) -> Connection:
         connection = Connection(self)
@@ -116,6 +142,15 @@ class Connection:
 
     def start(self, slot: str, start_lsn: Lsn, options: Mapping[str, str]) -> None:
         wal = self.wal
+        if wal.refuse_start is not None and wal.starts:
+            raise ConnectionLost(f"START_REPLICATION failed: {wal.refuse_start}", True)
+        if wal.unreachable and not wal.taken:
+            wal.unreachable -= 1
+            raise ConnectionLost("cannot connect to PostgreSQL: connection refused; check --dsn")
+        if wal.taken:
+            wal.taken -= 1
+            wal.on_taken()
+            raise SlotInUseError("replication slot 'test' is in use by another process")
         wal.starts.append(start_lsn)
         start = max(start_lsn, wal.confirmed)
         self.lose_after, wal.lose_after = wal.lose_after, None
@@ -140,9 +175,12 @@ class Connection:
         wal = self.wal
         assert time.monotonic() - wal.born < WATCHDOG, "the loop did not end"
         assert not self.closed
+        if wal.error is not None:
+            raise ConnectionLost(f"replication stream ended: {wal.error}", server_error=True)
         if self.lose_after is not None:
             if self.lose_after == 0:
                 wal.lost_after_commit = self.last_commit
+                wal.on_lost()
                 raise ConnectionLost("replication connection lost: the test cut it")
             self.lose_after -= 1
         if self.queue:
@@ -298,6 +336,7 @@ def relay_on(wal: Wal, **settings: Any) -> tuple[StreamRelay, Sink]:
         open_source=wal.open,
         open_sink=open_sink,
         open_dead_letters=Letters,
+        read_timeline=lambda dsn, slot: (wal.timeline, wal.confirmed),
     )
     return relay, sinks[0]
 
@@ -452,6 +491,69 @@ def test_a_culprit_goes_to_the_dead_letters_and_the_stream_goes_on() -> None:
     assert wal.flushed()[-1] == wal.end
 
 
+def test_the_stop_line_counts_an_event_kafka_refused_as_the_relay_stopped(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Refused while stopping, an event is no longer in the producer: the stop line counts
+    what Kafka did not acknowledge, not what the producer holds."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, status_interval=3600.0)
+    last = wal.event_ids[-1]
+    sink.hold.add(last)
+    sink.poison[last] = KafkaError.UNKNOWN_TOPIC_OR_PART
+
+    def on_idle() -> None:
+        if len(sink.acked) == len(wal.event_ids) - 1:
+            relay.request_stop()
+            sink.hold.clear()  # Kafka's answer comes now: a refusal
+
+    wal.on_idle = on_idle
+    with caplog.at_level(logging.INFO, logger="cdc_relay.stream"):
+        relay.stream(wal.tables)
+
+    assert [refused for refused, _, _ in sink.refused] == [last]
+    assert max(wal.flushed()) <= wal.before(last)
+    assert "stopped; 1 event not acknowledged will be sent again on restart" in caplog.text
+
+
+def test_an_event_whose_topic_another_aggregate_type_has_is_dead_lettered_with_why() -> None:
+    def typed(aggregate_type: str, number: int) -> OutboxEvent:
+        return OutboxEvent(
+            id=f"e{number}",
+            aggregate_type=aggregate_type,
+            aggregate_id=f"a{number}",
+            event_type="changed",
+            payload=b"{}",
+            commit_lsn=100 + number,
+            xid=1,
+            commit_time_us=0,
+        )
+
+    router = Router()
+    router.route(typed("order/line", 1))
+    with pytest.raises(TopicTaken) as taken:
+        router.route(typed("order_line", 2))
+    letters = Letters("test", "test", DEAD)
+    delivered: list[Message] = []
+    refusals = DeadLetterRefusals(Rewinds(), letters, lambda message, _: delivered.append(message))
+
+    refusals.unroutable((Transaction(), "e2"), taken.value)
+
+    assert letters.stored == [("e2", KafkaError.TOPIC_EXCEPTION)]
+    (letter,) = delivered
+    headers = dict(letter.headers)
+    assert letter.topic == DEAD
+    assert headers["original_topic"] == b"outbox.event.order_line"
+    assert b"'order_line' and 'order/line' both make topic" in headers["error"]
+    # An event with nothing to set aside (no payload) still stops the stream.
+    with pytest.raises(SchemaError, match="NULL payload"):
+        try:
+            router.route(OutboxEvent("e3", "order", "a3", "changed", None, 103, 1, 0))
+        except SchemaError as exc:
+            refusals.unroutable((Transaction(), "e3"), exc)
+    assert len(delivered) == 1
+
+
 def test_a_lost_connection_reconnects_at_the_safe_position_and_replays() -> None:
     wal = Wal(backlog())
     relay, sink = relay_on(wal)
@@ -495,3 +597,119 @@ def test_shutdown_confirms_what_was_acknowledged_and_no_more(
     assert max(wal.flushed()) == wal.before(last[0])
     assert wal.connections[-1].closed
     assert "stopped; 10 events not acknowledged will be sent again on restart" in caplog.text
+
+
+def test_an_error_the_server_ends_every_stream_with_backs_off_then_stops_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The walsender ends every stream with one ERROR (a publication it cannot find, say):
+    the relay reconnected at once, for ever (1,572 times in 5 s). It backs off, then stops."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    pauses: list[float] = []
+    monkeypatch.setattr(relay, "_pause", pauses.append)
+    wal.error = 'ERROR:  publication "outboxpub" does not exist'
+
+    with pytest.raises(RelayError) as failure:
+        relay.stream(wal.tables)
+
+    message = str(failure.value)
+    assert "\n" not in message
+    assert 'publication "outboxpub" does not exist' in message
+    assert "8 times in a row" in message
+    assert len(wal.starts) == 8
+    assert pauses == sorted(pauses)
+    assert pauses[0] > 0
+    assert sum(pauses) > 20
+    assert wal.flushed() == [0] * len(wal.flushed())
+
+
+def test_a_relay_cut_off_from_kafka_and_its_slot_delivers_nothing_while_another_holds_it() -> None:
+    """Kafka is away and the replication connection is lost; a standby takes the slot while
+    this relay waits (now a standby itself). Its producer's queue, delivered whenever Kafka
+    came back, would land after the new holder's newer events of the same aggregates (e1,
+    e2, e1): it is dropped, and the replay sends it again once this relay holds the slot."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, standby=True)
+    sink.hold_all = True  # Kafka away: nothing is acknowledged
+    wal.lose_after = 200
+    acked_at_loss: list[int] = []
+
+    def lost() -> None:
+        wal.taken = 3  # another relay holds the slot for a while
+        acked_at_loss.append(len(sink.acked))
+
+    def taken() -> None:
+        sink.hold_all = False  # Kafka is back while the other relay holds the slot
+        sink.poll(0)
+        acked_while_taken.append(len(sink.acked))
+
+    acked_while_taken: list[int] = []
+    wal.on_lost = lost
+    wal.on_taken = taken
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    # Nothing of the old queue was delivered while the other relay held the slot: every
+    # acknowledgement came from the replay, once this relay held the slot again.
+    assert acked_at_loss == [0]
+    assert acked_while_taken == [0, 0, 0]
+    assert len(wal.starts) == 2
+    assert acked_ids(sink) == wal.event_ids
+
+
+def test_reconnected_to_a_promoted_server_the_stream_starts_from_the_slot_there() -> None:
+    """The connection is lost and the relay reconnects to a standby promoted since (timeline
+    2), whose copy of the failover slot lags: past it, the WAL is the new primary's own. The
+    relay asked to start from its own position and the transactions in between were never
+    sent; it starts from the slot's."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal)
+    wal.lose_after = 300
+    lagging = wal.units[10][0]
+
+    def promoted() -> None:
+        wal.timeline = 2
+        wal.confirmed = lagging
+
+    wal.on_lost = promoted
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    assert wal.starts[1] == lagging
+    assert first_seen(acked_ids(sink)) == wal.event_ids
+
+
+def test_a_start_the_server_refuses_the_same_way_every_time_stops_the_relay_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reconnecting, START_REPLICATION is refused with one error each time (the role lost
+    REPLICATION, say): retried with backoff, then a stop naming it, not warnings for ever."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    monkeypatch.setattr(relay, "_pause", lambda seconds: None)
+    wal.lose_after = 50
+    wal.refuse_start = "ERROR:  permission denied to start WAL sender"
+
+    with pytest.raises(RelayError) as failure:
+        relay.stream(wal.tables)
+
+    assert "8 times in a row" in str(failure.value)
+    assert "permission denied to start WAL sender" in str(failure.value)
+
+
+def test_a_standby_waits_through_the_server_being_away_and_takes_over() -> None:
+    """A standby waiting for the slot, when the primary goes away (a failover): it exited at
+    the first connection refused; it waits on and takes over once the server is back."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, standby=True)
+    wal.taken = 2
+    wal.unreachable = 3
+    wal.on_idle = lambda: set(acked_ids(sink)) == set(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    assert wal.unreachable == 0
+    assert first_seen(acked_ids(sink)) == wal.event_ids

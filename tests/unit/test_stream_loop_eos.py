@@ -19,12 +19,21 @@ from typing import Any
 
 import psycopg
 import pytest
-from test_stream_loop import Wal, backlog, event_id
+from capture import messages
+from test_stream_loop import WATCHDOG, Wal, backlog, event_id
 
 from cdc_relay import stream
 from cdc_relay.events import Begin
-from cdc_relay.exactly_once import Checkpoint, ExactlyOnce, TransactionAborted
+from cdc_relay.exactly_once import (
+    MESSAGE,
+    TRANSACTION,
+    Checkpoint,
+    ExactlyOnce,
+    TransactionAborted,
+    Unit,
+)
 from cdc_relay.lsn import Lsn
+from cdc_relay.messages import Messages
 from cdc_relay.routing import Message
 from cdc_relay.slot import timeline_of
 from cdc_relay.stages import ReadTimeline
@@ -83,6 +92,10 @@ class Transactions:
         self.aborted: list[list[str]] = []  # the events of each transaction aborted
         self.connected = True
         self.broken = False
+        # Kafka refuses the checkpoint record of the next transactions holding one of these
+        # events alone: the commit fails and the transaction is aborted.
+        self.abort_alone: list[str] = []
+        self.born = time.monotonic()
 
     @property
     def events(self) -> int:
@@ -107,6 +120,10 @@ class Transactions:
             raise TransactionAborted("the relay died")
         if not self.open:
             return
+        if [event_id(message) for message, _ in self.open][:1] == self.abort_alone[:1]:
+            self.abort_alone.pop(0)
+            self.renew()
+            raise TransactionAborted("Kafka refused the checkpoint record")
         kafka = self.kafka
         kafka.visible.extend(message for message, _ in self.open)
         kafka.transactions.append(len(self.open))
@@ -123,10 +140,10 @@ class Transactions:
         raise Killed
 
     def poll(self, timeout: float) -> None:
-        pass
+        assert time.monotonic() - self.born < WATCHDOG, "the loop waits for ever"
 
     def settle(self, timeout: float) -> None:
-        pass
+        assert time.monotonic() - self.born < WATCHDOG, "the loop waits for ever"
 
     def in_flight(self) -> int:
         return 0  # appended at once: what is open waits for its commit, not for Kafka
@@ -169,6 +186,9 @@ def eos_relay(
             shutdown_timeout=0.05,
             progress_interval=3600.0,
             exactly_once=ExactlyOnce("test", interval=3600.0, max_events=max_events),
+            # the captures hold outbox messages: relayed as with --messages (whose check of
+            # who may emit them is the database's, not the loop's)
+            messages=Messages(relay=True),
         ),
         open_source=wal.open,
         open_transactions=open_transactions,
@@ -222,10 +242,10 @@ def test_kills_after_commits_replay_to_every_event_once_in_order() -> None:
     # in a committed Kafka transaction.
     commit_of = commit_positions(wal)
     for checkpoint, confirmed in killed_at:
-        assert confirmed == 0 or commit_of[confirmed] <= checkpoint.position
+        assert confirmed == 0 or commit_of[confirmed] <= checkpoint.position.lsn
     last = kafka.checkpoint
-    whole = last.partial_position == commit_of[wal.units[-1][0]] and last.partial_events == 10
-    assert last.position == commit_of[wal.units[-1][0]] or whole
+    whole = last.partial.lsn == commit_of[wal.units[-1][0]] and last.partial_events == 10
+    assert last.position.lsn == commit_of[wal.units[-1][0]] or whole
     assert len(wal.starts) == 7
 
 
@@ -246,7 +266,7 @@ def test_a_kill_between_commits_leaves_the_open_transaction_to_the_replay() -> N
     assert aborted
     assert not set(aborted) & set(visible)
     assert visible == wal.event_ids[: len(visible)]
-    assert confirmed == 0 or commit_positions(wal)[confirmed] <= checkpoint_at_kill.position
+    assert confirmed == 0 or commit_positions(wal)[confirmed] <= checkpoint_at_kill.position.lsn
     assert kafka.ids() == wal.event_ids
 
 
@@ -288,9 +308,9 @@ def test_a_server_that_refuses_the_timeline_query_on_reconnecting_is_retried() -
 
     relay.stream(wal.tables)
 
-    # Retried, not stopped: a connection after the refused one, and every event once.
+    # Retried, not stopped: asked again before the stream started again, and every event once.
     assert len(asked) == 2
-    assert len(wal.starts) == 3
+    assert len(wal.starts) == 2
     assert kafka.ids() == wal.event_ids
 
 
@@ -299,3 +319,75 @@ def test_the_real_timeline_query_raises_what_the_reconnect_retries() -> None:
     # PreflightError with which a relay stops at start-up.
     with pytest.raises(psycopg.OperationalError):
         timeline_of("host=127.0.0.1 port=1 connect_timeout=2", "test")
+
+
+def at_one_position() -> Wal:
+    """Captured from PostgreSQL 15 (tests/tools/capture.py --positions): a transaction of six
+    inserts that emits a non-transactional message last, then one more transaction. The
+    message ends where the commit record starts: it and the transaction share one LSN, and
+    the stream holds the message first."""
+    wal = Wal(messages("pgoutput-positions"))
+    (message_end, _), (_, unit), _ = wal.units
+    assert next(r.final_lsn for _, r in unit if isinstance(r, Begin)) == message_end
+    return wal
+
+
+@pytest.mark.parametrize("commits", [1, 2])
+def test_a_message_and_a_transaction_at_one_position_are_each_replayed_by_their_own_checkpoint(
+    commits: int,
+) -> None:
+    """Kafka transactions of 4 events: the message and the first 3 inserts, then the other 3
+    and the next transaction's. A kill after the first commit leaves the checkpoint "the
+    message, and 3 events of the transaction at the same LSN"; after the second, "the
+    transaction at that LSN". The replay must skip exactly that: named by its LSN alone, the
+    first checkpoint made the transaction at the message's LSN look whole, and the replay
+    skipped all of it (invariant 11)."""
+    wal = at_one_position()
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka)
+    sink.on_commit = lambda: sink.commits == commits and sink.kill()
+    run_until_killed(relay, wal)
+    at = wal.units[0][0]
+    if commits == 1:
+        assert kafka.checkpoint.position == Unit(at, MESSAGE)
+        assert (kafka.checkpoint.partial, kafka.checkpoint.partial_events) == (Unit(at), 3)
+    else:
+        assert kafka.checkpoint.position == Unit(at, TRANSACTION)
+    run_to_the_end(wal, kafka)
+    assert kafka.ids() == wal.event_ids
+    assert len(wal.event_ids) == 8
+
+
+def test_a_checkpoint_that_reaches_only_the_message_at_a_commit_position_replays_the_commit() -> (
+    None
+):
+    """A kill right after a Kafka transaction that held the message alone: the checkpoint
+    reaches the message, at the LSN where the transaction's commit starts, and the whole
+    transaction is replayed."""
+    wal = at_one_position()
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka, max_events=1)
+    sink.on_commit = lambda: sink.commits == 1 and sink.kill()
+    run_until_killed(relay, wal)
+    assert kafka.ids() == ["m-at-commit"]
+    run_to_the_end(wal, kafka)
+    assert kafka.ids() == wal.event_ids
+
+
+def test_an_event_sent_alone_whose_kafka_transaction_aborts_is_replayed_not_waited_for() -> None:
+    """A suspect is sent alone in a Kafka transaction of its own; Kafka acknowledged it, then
+    refused the transaction's checkpoint record, and the commit aborted: no report will ever
+    come for the event. The loop waited for one for ever, looking healthy; it replays."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka)
+    suspect = wal.event_ids[42]
+    relay.rewinds.suspects.add(suspect)
+    sink.abort_alone = [suspect]
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert sink.aborted == [[suspect]]
+    assert kafka.ids() == wal.event_ids
+    assert len(wal.starts) == 2
