@@ -546,6 +546,13 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
     "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
     "the rest.",
 )
+@click.option(
+    "--accept-gap",
+    is_flag=True,
+    help="Make a slot that existed and is gone anew at the WAL's position now, skipping what "
+    "it had not confirmed (said with the span), or record a publication changed since its relay "
+    "verified it as it is; --republish-since loses nothing instead.",
+)
 @_option(
     "--header-column",
     "header_columns",
@@ -590,6 +597,7 @@ def setup_slot(
     dry_run: bool,
     from_poller: bool,
     republish_since: datetime | timedelta | None,
+    accept_gap: bool,
     header_columns: tuple[str, ...],
     create_table: bool,
     failover_slot: bool,
@@ -601,7 +609,9 @@ def setup_slot(
 ) -> None:
     """Check the database and create the publication and the replication slot.
 
-    Safe to run again: what exists already is reported and left as it is. With
+    Safe to run again: what exists already is reported and left as it is. A slot that
+    existed and is gone is made anew only with --republish-since TIME (the events it had not
+    relayed published first) or --accept-gap (skipped, and said). With
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
     --shards N, one slot and publication per shard. With --create-table, a missing outbox
     table is created first. With --exactly-once, the checkpoint topic too. With --table given
@@ -642,6 +652,11 @@ def setup_slot(
         raise UsageError(
             "--header-column is for --republish-since, which publishes what stream would: give "
             "it there, or leave it out"
+        )
+    if accept_gap and (republish_since is not None or from_poller):
+        raise UsageError(
+            "--accept-gap skips what a lost slot had not relayed, --republish-since and "
+            "--from-poller publish it: give one of them"
         )
     if republish_since is not None and more_tables:
         raise UsageError(
@@ -694,7 +709,13 @@ def setup_slot(
             click.echo(line)
         return
     for each in specs:
-        report = setup(dsn, each, dry_run=dry_run, create_table=create_table)
+        report = setup(
+            dsn,
+            each,
+            dry_run=dry_run,
+            create_table=create_table,
+            gap="accept" if accept_gap else "refuse",
+        )
         if dry_run:
             click.echo("-- preflight passed; setup-slot would run:")
             for statement in report.statements or ["-- nothing: everything exists"]:
@@ -860,6 +881,11 @@ def drop_slot(
         )
     removed = [name for spec in specs for name in drop(dsn, spec)]
     click.echo("dropped " + ", ".join(removed) if removed else "nothing to drop")
+    if any(name.startswith("slot ") for name in removed):
+        click.echo(
+            "what the slot was stays recorded (table cdc_relay_slots): setup-slot makes it anew "
+            "only with --republish-since TIME, or --accept-gap to skip what it had not relayed"
+        )
 
 
 @cli.command("reshard")
@@ -1005,6 +1031,8 @@ def status_command(
             mine.append(state["slot_problem"])
         if state["publication_problem"]:
             mine.append(state["publication_problem"])
+        if state["lineage_problem"]:
+            mine.append(state["lineage_problem"])
         if require_active and not state["active"]:
             mine.append(f"no relay is streaming slot {spec.slot}")
         if max_unconfirmed is not None and state["confirmed_rows_unknown"]:
@@ -1048,6 +1076,7 @@ def status_command(
                 ("WAL retained", _bytes(state["wal_retained_bytes"])),
                 ("outbox table", state["table"]),
                 ("publication", _publication(state)),
+                ("lineage", _lineage(state["lineage"])),
             ]
             if state["slot_relays_table"]:
                 unknown = state["confirmed_rows_unknown"]
@@ -1073,6 +1102,16 @@ def _publication(state: dict[str, Any]) -> str:
     if state["publication_problem"]:
         return f"{state['publication']} (does not cover the table)"
     return str(state["publication"])
+
+
+def _lineage(found: dict[str, Any] | None) -> str:
+    if found is None:
+        return "-"
+    return (
+        f"made by {found['made']} at {found['created_lsn']}, "
+        f"{found['created_at'][:19].replace('T', ' ')}; confirmed up to {found['confirmed_lsn']} "
+        "at least"
+    )
 
 
 def _bytes(value: int | None) -> str:

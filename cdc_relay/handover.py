@@ -23,6 +23,7 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowFactory, RowMaker, class_row
 
+from cdc_relay import lineage
 from cdc_relay.batch import Batch, open_batch
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
@@ -73,6 +74,7 @@ class Backlog:
     what: str  # the rows, for the last line: "that were unprocessed at {lsn}"
     again: str  # what to do once it was undone: "run it again, or start the pollers again"
     rows: RowFactory[OutboxRow] = _ROWS
+    made: str = "setup-slot --from-poller"  # what made the slot, in its lineage
 
     def done(self, published: int) -> str:
         marked = " and marked processed" if self.mark else ""
@@ -144,6 +146,7 @@ def republish(
             "{lsn}",
             again="run it again",
             rows=_with_headers(headers),
+            made=f"setup-slot --republish-since {moment.isoformat()}",
         )
 
     return publish_then_slot(settings, spec, backlog)
@@ -192,6 +195,11 @@ def publish_then_slot(
         spec = dataclasses.replace(spec, table=backlog.outbox.qualified)
         report = setup(settings.dsn, spec, create_slot=False)
         lines = [f"exists: {line}" for line in report.existing] + report.done
+        # Seen before the slot's snapshot, as set-up sees it (lineage.py): the slot is made
+        # where the backlog ends, so whatever its name had relayed before leaves no gap.
+        usable, _ = lineage.prepare(guard, dry_run=False)
+        table = [backlog.outbox.table]
+        before = lineage.look(guard, spec.plugin, spec.publication, table) if usable else None
         publisher = open_batch(settings)
         try:
             publisher.sink.check_reachable(settings.kafka_timeout)
@@ -204,6 +212,8 @@ def publish_then_slot(
             raise
         finally:
             publisher.sink.close()
+        if before is not None:
+            lineage.made(guard, spec.slot, spec.plugin, before, backlog.made, lsn, before.at)
     lines.append(f"created slot {spec.slot} ({spec.plugin}) at {lsn}")
     marked = " and marked them processed" if backlog.mark else ""
     late = (

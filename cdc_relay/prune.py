@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from cdc_relay import horizon
+from cdc_relay import horizon, lineage
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.queries import QUERIES
@@ -110,6 +110,11 @@ def _check(
     problem = slot_problem(row, slot, database)
     if problem is None and row is not None:
         problem = relay_problem(conn, row["plugin"], slot, publication, outbox.table)
+    if problem is None and row is not None:
+        # The slot is trusted for what it confirmed only if its publication covered the table
+        # all along: nothing changed it since its relay verified it (lineage.py).
+        found = lineage.find(conn, slot, str(row["confirmed_flush_lsn"]), [outbox.table])
+        problem = found.missing or found.changed
     if problem is not None:
         raise PreflightError(problem)
     present = conn.execute(QUERIES["created_at_column"], {"oid": outbox.table.oid}).fetchone()

@@ -16,7 +16,8 @@ from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.queries import QUERIES
 
 SCHEMAS = {
-    "outbox": "the outbox table, the stream's dead-letter table and outbox_emit()",
+    "outbox": "the outbox table, the stream's dead-letter table, the slots' lineage table and "
+    "outbox_emit()",
     "poller": "what cdc-relay poll adds to the outbox: its NOTIFY trigger, the dead-letter view, "
     "the handovers' fences",
     "consumer": "processed_events, for idempotent consumers (cdc_relay.consumer)",

@@ -6,6 +6,7 @@ the caller can keep the replication connection alive while it waits (back-pressu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -194,7 +195,12 @@ class KafkaSink:
         """Drop what the producer holds (each gets its refusal report) and start a new one."""
         old = self._producer
         old.purge()
-        old.flush(0)  # serves the purged messages' reports
+        # Serves the purged messages' reports. A purge of messages already in flight fails an
+        # idempotent producer with the gapless guarantee (fatal: "Purged in flight"), which
+        # flush then raises: that producer is being replaced, and the reports it had served
+        # are for what the caller forgot.
+        with contextlib.suppress(KafkaException):
+            old.flush(0)
         self._overdue.clear()  # a report that did not come by now never will
         self._producer = self._new_producer()
         self.broken = False

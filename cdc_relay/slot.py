@@ -9,13 +9,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from cdc_relay import failover, horizon, schema, store
+from cdc_relay import failover, horizon, lineage, schema, store
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
@@ -406,15 +406,29 @@ def _create_slot(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> di
             hint.cancel()
 
 
+Gap = Literal["refuse", "accept", "cut"]
+"""What set-up does of a slot that existed and is gone: refuse to make it anew, make it
+skipping what it had not confirmed (``--accept-gap``), or make it at a resharding cut (the old
+shards relay what comes before it)."""
+
+_MADE_BY: dict[str, str] = {
+    "refuse": "setup-slot",
+    "accept": "setup-slot --accept-gap",
+    "cut": "reshard",
+}
+
+
 def setup(
     dsn: str,
     spec: SlotSpec,
     dry_run: bool = False,
     create_slot: bool = True,
     create_table: bool = False,
+    gap: Gap = "refuse",
 ) -> SetupReport:
     """Idempotently create the publication and (unless ``create_slot`` is False) the slot,
-    after preflight; with ``create_table``, the outbox table first when it is missing."""
+    after preflight; with ``create_table``, the outbox table first when it is missing. A slot
+    that existed and is gone is made anew as ``gap`` says (lineage.py)."""
     report = SetupReport(done=[], existing=[], statements=[])
     with connect(dsn) as conn, ExitStack() as dry:
         for name in spec.tables if create_table else ():
@@ -462,6 +476,13 @@ def setup(
 
         if not create_slot:
             return report
+        # What the slot was, kept in the database (lineage.py): a slot that existed and is
+        # gone is not made anew without a remedy, nor one whose publication changed unseen.
+        usable, ddl = lineage.prepare(conn, dry_run)
+        if ddl:
+            report.statements.append(ddl)
+        outboxes = [found for name in spec.tables if (found := find_table(conn, name))]
+        before = lineage.look(conn, spec.plugin, spec.publication, outboxes) if usable else None
         slot = _one(conn, "slot", slot=spec.slot)
         if slot:
             _check_slot(spec, database, slot)
@@ -469,15 +490,25 @@ def setup(
                 f"slot {spec.slot} ({slot['plugin']}), confirmed up to "
                 f"{slot['confirmed_flush_lsn']}"
             )
+            if before is not None:
+                line = lineage.existing(conn, spec.slot, slot, before, gap == "accept", dry_run)
+                if line and not dry_run:
+                    report.done.append(line)
         else:
+            record = lineage.lost(conn, spec.slot, gap != "refuse") if usable else None
             report.statements.append(
                 f"SELECT pg_create_logical_replication_slot({sql.quote(spec.slot)}, "
                 f"{sql.quote(spec.plugin)}" + (", failover => true);" if spec.failover else ");")
             )
             if not dry_run:
-                lsn = _create_slot(conn, spec).get("lsn", "?")
+                lsn = str(_create_slot(conn, spec)["lsn"])
+                if before is not None:
+                    how = _MADE_BY[gap]
+                    lineage.made(conn, spec.slot, spec.plugin, before, how, lsn, before.at)
                 kind = f"{spec.plugin}, failover" if spec.failover else spec.plugin
                 report.done.append(f"created slot {spec.slot} ({kind}) at {lsn}")
+                if record is not None and gap == "accept":
+                    report.done.append(lineage.skipped(record, lsn))
     return report
 
 
@@ -611,8 +642,16 @@ def status(
         problem = (
             slot_problem(slot, slot_name, database) or failover.slot_invalidated(slot_name, slot)
             if slot
-            else failover.slot_gone(slot_name, _one(conn, "timeline").get("timeline"))
+            else lineage.gone(conn, slot_name)
+            or failover.slot_gone(slot_name, _one(conn, "timeline").get("timeline"))
         )
+        # What the slot was, and whether its publication changed since its relay verified it.
+        kept = (
+            lineage.find(conn, slot_name, str(slot["confirmed_flush_lsn"]), [outbox])
+            if slot and outbox is not None and problem is None
+            else None
+        )
+        made = kept.record if kept else None if slot else lineage.record(conn, slot_name)
         relays = (
             outbox is not None
             and bool(slot)
@@ -645,6 +684,8 @@ def status(
         "publication": publication,
         "publication_exists": published,
         "publication_problem": publication_problem,
+        "lineage": made.as_json() if made else None,
+        "lineage_problem": kept.changed if kept else None,
         "confirmed_rows": rows.get("confirmed"),
         "unconfirmed_rows": rows.get("unconfirmed"),
         "confirmed_rows_unknown": rows.get("unknown"),
@@ -737,7 +778,7 @@ def prepare_reshard(dsn: str, spec: SlotSpec, before: int, after: int) -> Reshar
             )
     cut = StartAfterCut(str(uuid.uuid4()), None)
     for shard, each in new.items():
-        report = setup(dsn, replace(each, comment=cut.comment(shard)))
+        report = setup(dsn, replace(each, comment=cut.comment(shard)), gap="cut")
         lines += report.done
     return ReshardPlan(cut, old, new, lines)
 

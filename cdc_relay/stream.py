@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError
 
-from cdc_relay import failover, pgoutput, stages, wal2json
+from cdc_relay import failover, lineage, pgoutput, stages, wal2json
 from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.config import RelaySettings
 from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
@@ -825,7 +825,8 @@ class StreamRelay:
             timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
             if not slot:
                 raise PreflightError(
-                    failover.slot_gone(settings.slot, timeline)
+                    lineage.gone(conn, settings.slot)
+                    or failover.slot_gone(settings.slot, timeline)
                     or f"replication slot {settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
                 )
@@ -872,6 +873,7 @@ class StreamRelay:
                 self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             if self.dead_letters is not None:
                 self.dead_letters.check(conn)
+            lineage.check_stream(conn, settings.slot, slot, settings.publication, tables)
             row = conn.execute(QUERIES["bytea_types"]).fetchone()
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return tables, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])

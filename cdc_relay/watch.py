@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
+from cdc_relay import lineage
 from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
 from cdc_relay.queries import QUERIES
@@ -54,8 +55,9 @@ class Watcher:
         # wal2json: the publication that lists the outbox tables; one more there is a table
         # whose rows the slot skips (it selects rows by the names of ours).
         self._listing = listing
-        # table OID -> its publication entry as first seen (publication_entry in queries.sql)
-        self._entries: dict[int, tuple[Any, Any]] = {}
+        # What makes the publication publish each table, compared at each look with the look
+        # before; the slot's position moved in its row now and then (lineage.py).
+        self._lineage = lineage.Watch(slot, publication)
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0
@@ -115,14 +117,24 @@ class Watcher:
     def _check_safely(self, rounds: int) -> None:
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
+                self._conn = self._connect()
             self._check(self._conn, wal=rounds % self._wal_every == 0)
         except psycopg.Error as exc:
             # Nothing is verified meanwhile, so nothing new is confirmed: unless the server is
             # shutting down, which waits for the walsender to have everything confirmed.
-            # admin_shutdown ends our session; then new ones fail with "the database system is
-            # shutting down" (cannot_connect_now, which libpq reports without its SQLSTATE).
-            self.shutting_down = exc.sqlstate in ("57P01", "57P03") or "shutting down" in str(exc)
+            session = self._conn is not None  # the check failed, not the connection attempt
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+            self.shutting_down = _shutting_down(exc)
+            if session and not self.shutting_down:
+                # Our session ended: a fast shutdown ends it with admin_shutdown (57P01), and
+                # so does pg_terminate_backend, or a connection pooler or network may cut it.
+                # Only a server shutting down refuses a new session, so one is asked for now.
+                try:
+                    self._conn = self._connect()
+                except psycopg.Error as again:
+                    self.shutting_down = _shutting_down(again)
             if not self._failing and not self.shutting_down:
                 log.warning(
                     "cannot check the outbox table and its publication, so the slot is not "
@@ -131,21 +143,27 @@ class Watcher:
                     extra={"action": "watch_failed"},
                 )
             self._failing = True
-            if self._conn is not None:
-                self._conn.close()
-            self._conn = None
         else:
             self._failing = self.shutting_down = False
+
+    def _connect(self) -> psycopg.Connection[dict[str, Any]]:
+        return psycopg.connect(self._dsn, autocommit=True, row_factory=dict_row)
 
     def _check(self, conn: psycopg.Connection[dict[str, Any]], wal: bool) -> None:
         if self.problem is not None:
             return
-        row = conn.execute(QUERIES["wal_lsn"]).fetchone()
-        lsn = parse(row["lsn"]) if row else 0
+        row = conn.execute(QUERIES["wal_lsn"]).fetchone() or {}
+        lsn = parse(row["lsn"])
+        self._lineage.passed(lsn, row["at"])
         for index, table in enumerate(self.tables):
             self.problem = self._table_problem(conn, table, index)
             if self.problem is not None:
                 return  # the tables checked so far may be fine: verified stays where it was
+        # Published whole now, and at the look before: and in between? Only if nothing that
+        # makes the publication publish them was made again or altered meanwhile.
+        self.problem = self._lineage.change(conn, self.tables, self.verified, lsn)
+        if self.problem is not None:
+            return
         # A table made to inherit from the outbox after the last check has no row committed
         # before the WAL position read above: it stops the stream before the slot passes one.
         self.problem = inheritors_problem(conn, self._publication, self.tables)
@@ -161,6 +179,8 @@ class Watcher:
             slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()
             if slot:
                 observe_slot(slot)
+                if not row["standby"]:  # a standby's lineage is not kept: it is read-only
+                    self._lineage.confirmed(conn, slot, self.verified)
 
     def _table_problem(
         self, conn: psycopg.Connection[dict[str, Any]], table: OutboxTable, index: int
@@ -201,25 +221,10 @@ class Watcher:
                     "; rows written since were not decoded: republish them after the fix, "
                     "then restart the relay"
                 )
-            else:
-                problem = self._entry_problem(conn, self._publication, table)
         return problem
 
-    def _entry_problem(
-        self, conn: psycopg.Connection[dict[str, Any]], publication: str, table: OutboxTable
-    ) -> str | None:
-        """Why ``table``, published now, may have been out of ``publication`` since the last
-        check: its entry there (or the publication) was made again in between."""
-        row = conn.execute(
-            QUERIES["publication_entry"], {"publication": publication, "oid": table.oid}
-        ).fetchone()
-        entry = (row["publication"], row["entry"]) if row else (None, None)
-        first = self._entries.setdefault(table.oid, entry)
-        if entry == first:
-            return None
-        return (
-            f"publication {publication} stopped publishing {table.qualified} and published it "
-            "again (the table was dropped from it and added back, or the publication made "
-            f"again), so rows written to {table.qualified} in between were not decoded: "
-            "republish them, then restart the relay"
-        )
+
+def _shutting_down(exc: psycopg.Error) -> bool:
+    """Whether ``exc`` is the refusal of a new session by a server that is shutting down
+    (cannot_connect_now, which libpq reports without its SQLSTATE)."""
+    return exc.sqlstate == "57P03" or "shutting down" in str(exc)

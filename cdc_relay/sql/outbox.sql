@@ -103,3 +103,28 @@ LANGUAGE sql VOLATILE AS $$
     );
     SELECT id;
 $$;
+
+-- Every replication slot cdc-relay set up, and what its relays last saw (cdc_relay/lineage.py):
+-- a slot that existed and is gone is never made anew without a word (setup-slot names what
+-- would be skipped and asks for a remedy), and a publication changed while no relay ran is found
+-- at start. setup-slot makes this table too when it is missing, from the statement below: keep
+-- it the last of this file, after its name line.
+-- slot_lineage --
+CREATE TABLE IF NOT EXISTS cdc_relay_slots (
+    slot           text        PRIMARY KEY,
+    plugin         text        NOT NULL,
+    system_id      text,                  -- the cluster it was made in (pg_control_system())
+    timeline       integer,               -- the server's timeline then
+    made           text        NOT NULL,  -- by what: setup-slot, --republish-since T, ...
+    created_lsn    pg_lsn      NOT NULL,  -- where it started (or was found, if made before)
+    created_at     timestamptz NOT NULL DEFAULT now(),
+    -- The slot was confirmed at least this far (its relay moves it every 10 s or so), and the
+    -- WAL had not passed it yet at confirmed_from: what commits after it commits later.
+    confirmed_lsn  pg_lsn      NOT NULL,
+    confirmed_from timestamptz,
+    -- What makes the publication (NULL for wal2json) publish each outbox table, as catalog row
+    -- identities, as its relay last verified them, at verified_lsn.
+    publication    text,
+    published      jsonb       NOT NULL DEFAULT '{}',
+    verified_lsn   pg_lsn
+);

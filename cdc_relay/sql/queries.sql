@@ -88,15 +88,28 @@ SELECT pg_get_expr(g.qual, g.relid) AS filter,
 FROM pg_publication p, pg_get_publication_tables(p.pubname::text) AS g
 WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 
--- publication_entry --
--- What makes the publication publish the table, as catalog row OIDs: the publication's and the
--- table's own entry in it (none for FOR ALL TABLES or FOR TABLES IN SCHEMA). A table dropped
--- from the publication and added again has a new entry: the inserts between were not decoded
-SELECT p.oid::bigint AS publication,
-       (SELECT r.oid::bigint FROM pg_publication_rel r
-        WHERE r.prpubid = p.oid AND r.prrelid = %(oid)s::oid) AS entry
-FROM pg_publication p
-WHERE p.pubname = %(publication)s
+-- publication_identity --
+-- What makes the publication publish each of the tables, as the catalog rows that say so, by
+-- OID and xmin: the publication's own (its publish options), the table's entry in it (its row
+-- filter and column list) and its schema's (FOR TABLES IN SCHEMA). A row made again has a new
+-- OID and a row altered a new xmin, and neither comes back: the same identities at two looks
+-- mean that nothing of it changed in between (cdc_relay/lineage.py). The rest is for people.
+-- {schemas}: pg_publication_namespace, or on PostgreSQL 14 (which has none) a stand-in
+SELECT t.oid::bigint AS oid,
+       p.oid::bigint AS publication, p.xmin::text::bigint AS publication_xmin,
+       r.oid::bigint AS entry, r.xmin::text::bigint AS entry_xmin,
+       s.oid::bigint AS schema_entry, s.xmin::text::bigint AS schema_entry_xmin,
+       concat_ws(', ', CASE WHEN p.pubinsert THEN 'insert' END,
+                 CASE WHEN p.pubupdate THEN 'update' END, CASE WHEN p.pubdelete THEN 'delete' END,
+                 CASE WHEN p.pubtruncate THEN 'truncate' END) AS publish,
+       p.pubviaroot AS via_root, p.puballtables AS all_tables,
+       to_jsonb(r) ->> 'prqual' IS NOT NULL AS filtered, to_jsonb(r) ->> 'prattrs' AS columns
+FROM unnest(%(oids)s::oid[]) AS t(oid)
+LEFT JOIN pg_class c ON c.oid = t.oid
+LEFT JOIN pg_publication p ON p.pubname = %(publication)s
+LEFT JOIN pg_publication_rel r ON r.prpubid = p.oid AND r.prrelid = t.oid
+LEFT JOIN {schemas} AS s ON s.pnpubid = p.oid AND s.pnnspid = c.relnamespace
+ORDER BY t.oid
 
 -- published_besides --
 -- The tables the publication publishes besides the given ones (a wal2json slot's outbox
@@ -234,9 +247,11 @@ SELECT array_agg(oid::bigint) AS oids FROM b
 
 -- wal_lsn --
 -- The WAL insert position now; on a standby (decoding there, PostgreSQL 16+), the position it
--- has replayed up to, which is as far as its walsenders decode
+-- has replayed up to, which is as far as its walsenders decode. `at`: the statement's start,
+-- when the WAL had not passed that position yet
 SELECT coalesce(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
-                     ELSE pg_current_wal_lsn() END, '0/0')::text AS lsn
+                     ELSE pg_current_wal_lsn() END, '0/0')::text AS lsn,
+       now() AS at, pg_is_in_recovery() AS standby
 
 -- store_dead_letter --
 -- An event Kafka refused for good, with its content, before the slot moves past it
@@ -823,3 +838,61 @@ SELECT slot_name, active FROM pg_replication_slots WHERE slot_type = 'physical' 
 SELECT CASE WHEN NOT pg_is_in_recovery()
             THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
        END AS timeline
+
+-- The slots' lineage (cdc_relay/lineage.py), in the table cdc_relay_slots of schema outbox.
+
+-- lineage_access --
+-- Whether the lineage table exists, and what this role may do there: read it, move a slot's
+-- position and what its relay verified (what stream does), make a slot's row (setup-slot)
+SELECT to_regclass('cdc_relay_slots') IS NOT NULL AS present,
+       CASE WHEN to_regclass('cdc_relay_slots') IS NOT NULL
+            THEN has_table_privilege('cdc_relay_slots', 'SELECT') END AS readable,
+       CASE WHEN to_regclass('cdc_relay_slots') IS NOT NULL
+            THEN has_column_privilege('cdc_relay_slots', 'confirmed_lsn', 'UPDATE')
+                 AND has_column_privilege('cdc_relay_slots', 'confirmed_from', 'UPDATE')
+                 AND has_column_privilege('cdc_relay_slots', 'published', 'UPDATE')
+                 AND has_column_privilege('cdc_relay_slots', 'verified_lsn', 'UPDATE')
+       END AS movable,
+       CASE WHEN to_regclass('cdc_relay_slots') IS NOT NULL
+            THEN has_table_privilege('cdc_relay_slots', 'SELECT, INSERT, UPDATE') END AS writable
+
+-- lineage --
+-- A slot's row
+SELECT slot, plugin, system_id, timeline, made, created_lsn::text AS created_lsn, created_at,
+       confirmed_lsn::text AS confirmed_lsn, confirmed_from, publication, published,
+       verified_lsn::text AS verified_lsn
+FROM cdc_relay_slots
+WHERE slot = %(slot)s
+
+-- lineage_server --
+-- The server a slot is made in: its cluster's system identifier (NULL for a role that may not
+-- read pg_control_system()), and the WAL position now, which the WAL had not passed at `at`
+SELECT CASE WHEN has_function_privilege('pg_control_system()', 'EXECUTE')
+            THEN (SELECT system_identifier::text FROM pg_control_system()) END AS system_id,
+       pg_current_wal_lsn()::text AS lsn, now() AS at
+
+-- lineage_made --
+-- A slot made (or found without a row): its row, a new generation's whatever was there
+INSERT INTO cdc_relay_slots (slot, plugin, system_id, timeline, made, created_lsn,
+                             confirmed_lsn, confirmed_from, publication, published, verified_lsn)
+VALUES (%(slot)s, %(plugin)s, %(system_id)s, %(timeline)s, %(made)s, %(lsn)s::pg_lsn,
+        %(lsn)s::pg_lsn, %(at)s, %(publication)s, %(published)s, %(verified)s::pg_lsn)
+ON CONFLICT (slot) DO UPDATE
+SET plugin = excluded.plugin, system_id = excluded.system_id, timeline = excluded.timeline,
+    made = excluded.made, created_lsn = excluded.created_lsn, created_at = now(),
+    confirmed_lsn = excluded.confirmed_lsn, confirmed_from = excluded.confirmed_from,
+    publication = excluded.publication, published = excluded.published,
+    verified_lsn = excluded.verified_lsn
+
+-- lineage_confirmed --
+-- How far the slot is confirmed, and a moment the WAL had not passed that yet; never back
+UPDATE cdc_relay_slots
+SET confirmed_lsn = %(lsn)s::pg_lsn, confirmed_from = %(at)s,
+    verified_lsn = greatest(verified_lsn, %(verified)s::pg_lsn)
+WHERE slot = %(slot)s AND confirmed_lsn < %(lsn)s::pg_lsn
+
+-- lineage_published --
+-- What the relay (or setup-slot --accept-gap) verified of the publication, and where
+UPDATE cdc_relay_slots
+SET publication = %(publication)s, published = %(published)s, verified_lsn = %(lsn)s::pg_lsn
+WHERE slot = %(slot)s

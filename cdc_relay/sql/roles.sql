@@ -21,14 +21,17 @@
 --   * the table's owner (or an administrator) runs `cdc-relay setup-slot` once: creating the
 --     publication needs ownership of the table, and the slot needs REPLICATION;
 --   * the stream role reads the slot: LOGIN, REPLICATION, SELECT on the outbox, on schema
---     poller's dead-letter view (for `cdc-relay status`), and SELECT, INSERT, UPDATE on
---     schema outbox's cdc_relay_dead_letters (`stream --dead-letter-topic`), nothing else;
+--     poller's dead-letter view (for `cdc-relay status`), SELECT, INSERT, UPDATE on schema
+--     outbox's cdc_relay_dead_letters (`stream --dead-letter-topic`), and SELECT and UPDATE
+--     of four columns on its cdc_relay_slots (the slot's position, what the relay verified
+--     of the publication), nothing else;
 --   * the poller role claims and marks rows: SELECT and UPDATE of the four columns the poller
 --     changes on the outbox, SELECT on the dead-letter view and on schema poller's
 --     cdc_relay_handovers (a table handed over to stream stops the pollers); LISTEN and
 --     pg_notify() need no privilege. No DELETE: `poll` deletes nothing;
 --   * the pruner role deletes old rows whose events are on Kafka (`cdc-relay prune`, with or
---     without --slot, from cron): SELECT and DELETE on the outbox, nothing else.
+--     without --slot, from cron): SELECT and DELETE on the outbox, SELECT on cdc_relay_slots
+--     (what the slot was, for --slot), nothing else.
 -- Each may CONNECT to the database and use the outbox's schema. None may INSERT into the
 -- outbox, nor emit a logical decoding message: events are the application's to write, through
 -- the writer role:
@@ -258,6 +261,17 @@ WHERE c.oid = :'outbox_table'::regclass
 SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %s TO %I',
               to_regclass('cdc_relay_dead_letters'), :'stream_role')
 WHERE to_regclass('cdc_relay_dead_letters') IS NOT NULL
+\gexec
+
+-- schema outbox's table of what each slot was (cdc_relay_slots, made by setup-slot): the stream
+-- relay reads its slot's row and moves its position and what it verified of the publication;
+-- `prune --slot` reads it (and `status`, as the stream role).
+SELECT format('GRANT SELECT, UPDATE (confirmed_lsn, confirmed_from, published, verified_lsn) '
+              'ON TABLE %s TO %I', to_regclass('cdc_relay_slots'), :'stream_role')
+WHERE to_regclass('cdc_relay_slots') IS NOT NULL
+\gexec
+SELECT format('GRANT SELECT ON TABLE %s TO %I', to_regclass('cdc_relay_slots'), :'pruner_role')
+WHERE to_regclass('cdc_relay_slots') IS NOT NULL
 \gexec
 
 -- Logical decoding messages: the writer's alone (each overload of pg_logical_emit_message, as

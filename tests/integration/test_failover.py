@@ -324,17 +324,31 @@ def test_a_slot_without_failover_is_gone_after_a_promotion_and_stream_and_status
         "time of the old relay's last progress line less its lag and your longest transaction "
         "(earlier costs only duplicates) (README: Hot standby and database failover)"
     )
-    for run in (1, 2):
-        log = (tmp_path / f"relay-{run}.log").read_text()
-        assert log.strip().splitlines()[-1] == f"cdc-relay: error: {gone}", log
-    status = subprocess.run(
-        [sys.executable, "-m", "cdc_relay", "status", "--dsn", pair.dsn, "--slot", names.slot],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    log = (tmp_path / "relay-1.log").read_text()
+    assert log.strip().splitlines()[-1] == f"cdc-relay: error: {gone}", log
+    # At start, stream reads what the slot was (the row of cdc_relay_slots came over with the
+    # data), as status and setup-slot do: the timelines and the remedies.
+    lineage = (
+        f"slot {names.slot} existed and is gone: made by setup-slot at ",
+        "the server was promoted since (timeline 1 then, 2 now) and the slot, no failover "
+        "slot, stayed behind. Made anew at the WAL's position now it would skip every event "
+        "committed since ",
+        ": make it with cdc-relay setup-slot --republish-since TIME, which publishes those "
+        "first (TIME: ",
+        "or with cdc-relay setup-slot --accept-gap to skip them",
     )
-    assert status.returncode == 3, status.stdout + status.stderr
-    assert f"ALERT: {gone}" in status.stderr.splitlines(), status.stderr
+    log = (tmp_path / "relay-2.log").read_text()
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("cdc-relay: error: ") and all(part in last for part in lineage), log
+    for command in ("status", "setup-slot"):
+        shown = subprocess.run(
+            [sys.executable, "-m", "cdc_relay", command, "--dsn", pair.dsn, "--slot", names.slot,
+             "--publication", names.publication],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert shown.returncode == (3 if command == "status" else 1), shown
+        alerts = [line for line in shown.stderr.splitlines() if "existed and is gone" in line]
+        assert len(alerts) == 1 and all(part in alerts[0] for part in lineage), shown.stderr
 
 
 @pytest.mark.pg18

@@ -498,6 +498,28 @@ def test_the_roles_have_what_the_relays_need_and_nothing_more(
             [POLLER_ROLE],
         ).fetchone()
         assert updatable == (["attempts", "last_error", "processed_at", "retry_after"],)
+        # The slots' lineage: the stream role moves its slot's position and what it verified
+        # of the publication, nothing else; the pruner reads it (prune --slot), the poller
+        # has no slot.
+        lineage = {
+            role: {
+                privilege
+                for privilege in ("SELECT", "INSERT", "UPDATE", "DELETE", "TRUNCATE", "TRIGGER")
+                if conn.execute(
+                    "SELECT has_table_privilege(%s, 'cdc_relay_slots', %s)", [role, privilege]
+                ).fetchone()
+                == (True,)
+            }
+            for role in (STREAM_ROLE, POLLER_ROLE, PRUNER_ROLE)
+        }
+        assert lineage == {STREAM_ROLE: {"SELECT"}, POLLER_ROLE: set(), PRUNER_ROLE: {"SELECT"}}
+        movable = conn.execute(
+            "SELECT array_agg(attname::text ORDER BY attname) FROM pg_attribute"
+            " WHERE attrelid = 'cdc_relay_slots'::regclass AND attnum > 0"
+            " AND has_column_privilege(%s, attrelid, attnum, 'UPDATE')",
+            [STREAM_ROLE],
+        ).fetchone()
+        assert movable == (["confirmed_from", "confirmed_lsn", "published", "verified_lsn"],)
 
     write_events(database.admin, 2)
     forbidden = {

@@ -1,0 +1,312 @@
+"""What a slot was and what its publication covered, kept across restarts (ARCHITECTURE.md,
+invariants 13 and 14): a slot that existed and is gone is not made anew without a word, and
+a publication changed while no relay ran (or changed and changed back between two looks of
+the watcher) stops the relay before the slot passes an insert that was never decoded; so does
+nothing else than a server that really shuts down lift the watcher's cap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from relaytools import RelayProcess, consume, relay_env, setup_slot, slot_row, wait_until
+
+from cdc_relay.lsn import format_lsn
+from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.slot import connect
+from cdc_relay.tables import find_table
+from cdc_relay.watch import Watcher
+
+pytestmark = pytest.mark.integration
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cdc_relay", *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+def _sql(dsn: str, *statements: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for statement in statements:
+            conn.execute(statement)  # type: ignore[arg-type]
+
+
+def _insert(dsn: str, note: str) -> str:
+    """One event in its own transaction; its id."""
+    event_id = str(uuid.uuid4())
+    _sql(
+        dsn,
+        "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload) "  # noqa: S608 - test values
+        f"VALUES ('{event_id}', 'order', 'a', 'order.{note}', '{{}}')",
+    )
+    return event_id
+
+
+def _wal_lsn(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def _ids(kafka: Any, names: Any, expected: int) -> list[str]:
+    return [r.id for r in consume(kafka.bootstrap, names.topic_prefix, expected, settle=2)]
+
+
+def _stopped_with(relay: RelayProcess, *texts: str) -> str:
+    """The relay's exit 1 and its last line, one line naming each of ``texts``."""
+    assert relay.wait(60) == 1, relay.log()
+    log = relay.log()
+    assert "Traceback" not in log, log
+    last = log.strip().splitlines()[-1]
+    assert last.startswith("cdc-relay: error: "), last
+    for text in texts:
+        assert text in last, last
+    return last
+
+
+def _one_line(done: subprocess.CompletedProcess[str], code: int, *texts: str) -> str:
+    assert done.returncode == code, done
+    (line,) = done.stderr.strip().splitlines()
+    for text in texts:
+        assert text in line, line
+    return line
+
+
+def _base(dsn: str, names: Any) -> list[str]:
+    return ["--dsn", dsn, "--slot", names.slot, "--publication", names.publication]
+
+
+def _kafka(kafka: Any, names: Any) -> list[str]:
+    return [
+        "--kafka-bootstrap",
+        kafka.bootstrap,
+        "--topic-template",
+        f"{names.topic_prefix}.{{aggregate_type}}",
+    ]
+
+
+def _recorded(dsn: str, slot: str) -> int:
+    """How far the slot's row says it was confirmed."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT confirmed_lsn::text FROM cdc_relay_slots WHERE slot = %s", [slot]
+        ).fetchone()
+    assert row is not None
+    return parse_lsn(row[0])
+
+
+def test_a_lost_slot_is_made_anew_only_with_a_remedy(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """The reproduction of the lost slot: 3 events streamed, the slot dropped, 3 written,
+    setup-slot again. It refuses in one line with both remedies, naming where the relay had
+    brought the slot (its row, moved while it streamed) and a TIME; stream says the same;
+    --republish-since that TIME publishes the 3 and makes the slot; --accept-gap makes it and
+    names what it skips."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        relayed = [_insert(outbox_db, "before") for _ in range(3)]
+        assert _ids(kafka_service, names, 3) == relayed
+        last = _wal_lsn(outbox_db)  # past the last one's commit
+        wait_until(lambda: _recorded(outbox_db, names.slot) >= last, 30, "the row moved")
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+    recorded = _recorded(outbox_db, names.slot)
+    assert cli("drop-slot", *_base(outbox_db, names), "--yes").returncode == 0
+    gap = [_insert(outbox_db, "gap") for _ in range(3)]
+
+    made = cli("setup-slot", *_base(outbox_db, names))
+    line = _one_line(made, 1, "existed and is gone", "--republish-since", "--accept-gap")
+    print(line)
+    assert f"slot {names.slot}" in line
+    assert f"skip every event committed since {format_lsn(recorded)}" in line
+    with psycopg.connect(outbox_db) as conn:
+        found = conn.execute("SELECT FROM pg_replication_slots WHERE slot_name = %s", [names.slot])
+        assert found.fetchall() == []
+    again = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="again"
+    ).start()
+    try:
+        _stopped_with(again, "existed and is gone", "--republish-since", "--accept-gap")
+    finally:
+        again.close()
+
+    # The remedy that loses nothing, from the TIME the line proposes: the gap's events first,
+    # then the slot; what was on Kafka before the slot's recorded position is not sent again.
+    since = line.split("(TIME: ", 1)[1].split(",", 1)[0]
+    republished = cli(
+        "setup-slot",
+        *_base(outbox_db, names),
+        *_kafka(kafka_service, names),
+        "--republish-since",
+        since,
+    )
+    assert republished.returncode == 0, republished
+    assert sorted(_ids(kafka_service, names, 6)) == sorted(relayed + gap)
+
+    # The other: said out loud, and what it skips is named.
+    assert cli("drop-slot", *_base(outbox_db, names), "--yes").returncode == 0
+    _insert(outbox_db, "skipped")
+    accepted = cli("setup-slot", *_base(outbox_db, names), "--accept-gap")
+    assert accepted.returncode == 0, accepted
+    assert "skipped" in accepted.stdout and " to " in accepted.stdout, accepted.stdout
+    print(accepted.stdout)
+    # Run again, as the Kubernetes Job is, it finds everything there.
+    rerun = cli("setup-slot", *_base(outbox_db, names))
+    assert rerun.returncode == 0, rerun
+    assert f"exists: slot {names.slot}" in rerun.stdout
+
+
+def _publish_flipped(names: Any) -> tuple[str, str]:
+    return (
+        f"ALTER PUBLICATION {names.publication} SET (publish = 'update')",
+        f"ALTER PUBLICATION {names.publication} SET (publish = 'insert')",
+    )
+
+
+CHANGES = {
+    "dropped and added back": lambda names: (
+        f"ALTER PUBLICATION {names.publication} DROP TABLE outbox_events",
+        f"ALTER PUBLICATION {names.publication} ADD TABLE outbox_events",
+    ),
+    "a row filter set and removed": lambda names: (
+        f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events "
+        "WHERE (aggregate_id <> 'a')",
+        f"ALTER PUBLICATION {names.publication} SET TABLE outbox_events",
+    ),
+    "publish flipped and back": _publish_flipped,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_publication_changed_while_the_relay_was_down_stops_it_at_start(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, change: str
+) -> None:
+    """The reproduction of issue 25: the relay stopped, the publication changed and changed
+    back with an insert in between (never decoded), another insert. The relay stops at start
+    naming the span and the remedies, status alerts, prune --slot refuses; --accept-gap then
+    lets it go on."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        first = _insert(outbox_db, "before")
+        assert _ids(kafka_service, names, 1) == [first]
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+    confirmed = parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"]))
+    undo, redo = CHANGES[change](names)
+    _sql(outbox_db, undo)
+    _insert(outbox_db, "gap")
+    _sql(outbox_db, redo)
+    after = _insert(outbox_db, "after")
+
+    again = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="again"
+    ).start()
+    try:
+        line = _stopped_with(
+            again, f"publication {names.publication} changed", "--republish-since", "--accept-gap"
+        )
+    finally:
+        again.close()
+    print(line)
+    assert str(slot_row(outbox_db, names.slot)["confirmed"]) in line  # the span's start
+    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) == confirmed
+    status = cli("status", *_base(outbox_db, names), "--wait", "0")
+    assert status.returncode == 3, status
+    assert f"ALERT: publication {names.publication} changed" in status.stderr, status.stderr
+    pruned = cli("prune", *_base(outbox_db, names), "--older-than", "1s", "--wait", "1")
+    _one_line(pruned, 1, f"publication {names.publication} changed")
+    with psycopg.connect(outbox_db) as conn:
+        assert conn.execute("SELECT count(*) FROM outbox_events").fetchone() == (3,)
+
+    accepted = cli("setup-slot", *_base(outbox_db, names), "--accept-gap")
+    assert accepted.returncode == 0, accepted
+    assert "accepted" in accepted.stdout, accepted.stdout
+    print(accepted.stdout)
+    going = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="going"
+    ).start()
+    try:
+        assert after in _ids(kafka_service, names, 2)
+        assert going.stop() == 0, going.log()
+    finally:
+        going.close()
+
+
+def test_publish_flipped_and_back_between_two_looks_of_the_watcher_stops_the_relay(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """Within one transaction, so always between two looks: the insert is decoded with
+    publish = 'update' (the catalog as of the change) and never sent. The relay stops before
+    the slot passes it, and stays stopped at the next start."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        first = _insert(outbox_db, "before")
+        assert _ids(kafka_service, names, 1) == [first]
+        before = _wal_lsn(outbox_db)
+        undo, redo = _publish_flipped(names)
+        with psycopg.connect(outbox_db) as conn:
+            conn.execute(undo)  # type: ignore[arg-type]
+            conn.execute(
+                "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) "
+                "VALUES ('order', 'a', 'order.gap', '{}')"
+            )
+            conn.execute(redo)  # type: ignore[arg-type]
+        _insert(outbox_db, "after")
+        print(_stopped_with(relay, f"publication {names.publication} changed", "--accept-gap"))
+    finally:
+        relay.close()
+    assert parse_lsn(str(slot_row(outbox_db, names.slot)["confirmed"])) <= before
+    again = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="again"
+    ).start()
+    try:
+        _stopped_with(again, f"publication {names.publication} changed")
+    finally:
+        again.close()
+
+
+def test_the_watchers_session_terminated_is_no_shutdown_and_keeps_the_cap(
+    outbox_db: str, names: Any
+) -> None:
+    """pg_terminate_backend ends a session with 57P01, as a fast shutdown does; the server then
+    still takes a new connection, which a server shutting down refuses."""
+    setup_slot(outbox_db, names)
+    with connect(outbox_db) as conn:
+        table = find_table(conn, "outbox_events")
+    assert table is not None
+    watcher = Watcher(outbox_db, names.slot, [table], names.publication, interval=3600).start()
+    try:
+        verified = watcher.verified
+        assert verified > 0 and watcher.problem is None
+        with psycopg.connect(outbox_db, autocommit=True) as admin:
+            (terminated,) = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                "AND backend_type = 'client backend'"
+            ).fetchone()  # type: ignore[misc]
+        assert terminated == 1
+        watcher.check_now()
+        assert not watcher.shutting_down
+        assert watcher.verified == verified  # nothing checked in that round
+        _insert(outbox_db, "later")  # the WAL moves on
+        watcher.check_now()
+        assert watcher.verified > verified and not watcher.shutting_down
+    finally:
+        watcher.stop()
