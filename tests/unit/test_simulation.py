@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import memory_outbox
 import pytest
 from hypothesis import HealthCheck, Phase, currently_in_test_context, event, note, settings
 from hypothesis import strategies as st
@@ -30,6 +31,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from poll_simulation import AddRows, AnotherPoller, PollAction, PollProcess, PollWorld
 from simulation import (
     CLOCK,
     DATABASE,
@@ -54,7 +56,7 @@ from simulation import (
     Write,
 )
 
-from cdc_relay import exactly_once, messages, stream
+from cdc_relay import exactly_once, messages, poller, stream
 from cdc_relay.lsn import format_lsn
 
 EXAMPLES = int(os.environ.get("CDC_RELAY_SIMULATION_EXAMPLES", "0"))
@@ -277,6 +279,87 @@ class ReshardSimulation(Simulation):
         )
 
 
+class PollSimulation(RuleBasedStateMachine):
+    """The poll relay's world (poll_simulation.PollWorld): the application adds rows, faults
+    are armed for the next poll process, processes run one after the other on the outbox
+    (and another poller beside one of them, as a fault)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        CLOCK.__init__()
+        SEARCH.examples += 1
+        self.world = PollWorld()
+        self.schedule: list[tuple[int, PollAction]] = []
+
+    @rule(key=KEYS, count=st.integers(1, 5), during=DURING)
+    def add(self, key: str, count: int, during: int | None) -> None:
+        """``count`` rows of aggregate ``key``."""
+        if during is None:
+            self.world.add(key, count)
+        else:
+            self.schedule.append((during, AddRows(key, count)))
+
+    @rule(data=st.data())
+    def fault(self, data: st.DataObject) -> None:
+        """A fault at a step of the next process, within what it will have to do."""
+        world = self.world
+        pending = sum(1 for row in world.outbox.rows if not (row.processed or row.dead))
+        at = data.draw(st.integers(1, 12 + 8 * pending), label="at")
+        fault = data.draw(
+            st.one_of(
+                st.builds(Crash, st.integers(0, 3)),
+                st.just(LoseConnection()),
+                st.just(Stop()),
+                st.builds(Stall, st.integers(1, 60)),
+                st.builds(
+                    Refuse, st.integers(0, 60), st.sampled_from(["culprit", "client", "transient"])
+                ),
+                st.builds(AnotherPoller, st.integers(1, 60)),
+            ),
+            label="fault",
+        )
+        self.schedule.append((at, fault))
+
+    @rule()
+    def run(self) -> None:
+        """A poll process on the outbox, until it ends."""
+        process = self.world.process(self.schedule)
+        self.schedule = []
+        if self.conclude(process) == "drained" and not process.faulted:
+            self.world.check_quiet()
+
+    def conclude(self, process: PollProcess) -> str:
+        world = self.world
+        outcome = "failed"
+        try:
+            outcome = process.run()
+        except BaseException:
+            SEARCH.failed()
+            raise
+        finally:
+            world.trace.append(f"{process.name}: {outcome}")
+            if currently_in_test_context():
+                event(f"process {outcome}")
+                note("\n".join(world.trace))
+            world.trace.clear()
+        return outcome
+
+    @invariant()
+    def kafka_in_order(self) -> None:
+        self.world.check_kafka()
+
+    def teardown(self) -> None:
+        """A last process works the outbox off: a row Kafka refuses as its own becomes a dead
+        letter after --max-attempts."""
+        world = self.world
+        if not world.outbox.rows or world.failure:
+            return
+        outcome = self.conclude(world.process())
+        assert outcome == "drained", f"the last process ended {outcome}, not drained"
+        world.check_kafka()
+        world.check_quiet()
+
+
 @pytest.fixture
 def simulated(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The relay on the virtual clock, its start-up inline, its log quiet (a failure prints
@@ -285,12 +368,15 @@ def simulated(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture)
     monkeypatch.setattr(stream, "time", CLOCK)
     monkeypatch.setattr(exactly_once, "time", CLOCK)
     monkeypatch.setattr(stream, "threading", InlineThread)
+    monkeypatch.setattr(poller, "time", CLOCK)
+    monkeypatch.setattr(memory_outbox, "time", CLOCK)
     # The database the relay asks besides the stream (a new shard: the cut, the old slot).
     monkeypatch.setattr(stream, "connect", DATABASE.connect)
     monkeypatch.setattr(messages, "psycopg", PSYCOPG)
 
 
 MODES = {
+    "poll": Settings(),  # PollSimulation's
     "at-least-once": Settings(),
     "resharding": Settings(shards=True),
     "dead-letters": Settings(dead_letters=True),
@@ -304,7 +390,11 @@ MODES = {
 def test_simulation(mode: str) -> None:
     global SEARCH  # one search per test
     SEARCH = Search()
-    base = ReshardSimulation if MODES[mode].shards else Simulation
+    base: type[RuleBasedStateMachine] = Simulation
+    if mode == "poll":
+        base = PollSimulation
+    elif MODES[mode].shards:
+        base = ReshardSimulation
     machine = type(f"Simulation_{mode.replace('-', '_')}", (base,), {"mode": MODES[mode]})
     try:
         run_state_machine_as_test(machine, settings=SIMULATION)
