@@ -21,6 +21,10 @@ its schedule: the same schedule gives the same run, and Hypothesis can shrink a 
   slot over while the process is paused. A process ends drained (the stream read, nothing
   in flight: it is stopped as by SIGTERM), killed, or on an error the oracle expects
   (the culprit without a dead-letter topic, fencing).
+- Resharding: slots of one WAL (``Slot``: the old one, the new shards with their row
+  filters), the cut emitted and committed by ``Writer`` (``Reshard``), and what the relay
+  asks the database besides the stream (``Database``: the publications' comments, the old
+  slot's position), a new shard waiting at the cut running the old shard's relay.
 - The oracle (``World.check_*``) holds the relay to its promises: the slot is never
   confirmed past an event Kafka does not hold (at each status update); Kafka holds the
   events of each key in stream order (every event after all the earlier ones of its key);
@@ -406,7 +410,7 @@ class KeepaliveSent:
 
 
 Fault = Crash | LoseConnection | Stop | Stall | Refuse | Abort | Fence | Takeover
-Action = Fault | Write | KeepaliveSent
+Action = Fault | Write | KeepaliveSent  # what a schedule holds
 
 
 # -- the stages of a process -----------------------------------------------------------------
@@ -638,7 +642,6 @@ class Process:
         self.schedule = sorted(schedule, key=lambda entry: entry[0])
         self.steps = 0
         self.dead = False
-        self.fenced = False
         self.stall_until = -1
         self.refused_starts = 0  # a standby's: attempts that find the slot held
         self.release: Callable[[], None] | None = None  # ends the old holder's connection
