@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from capture import messages
+from capture import DATA, messages
 from pgoutput_encoder import delete, encode, truncate, update
 from test_stream_loop import backlog
 
@@ -20,8 +20,7 @@ from cdc_relay import pgoutput
 from cdc_relay.events import Ignored
 
 CAPTURES = {
-    "pgoutput": messages("pgoutput"),
-    "bytea-pgoutput": messages("bytea-pgoutput"),
+    **{path.stem: messages(path.stem) for path in sorted(DATA.glob("*pgoutput*.jsonl"))},
     "backlog": backlog(),
 }
 
@@ -48,6 +47,7 @@ def rewritten(data: bytes) -> bytes:
 
 
 def test_the_captures_hold_every_kind_the_simulation_writes() -> None:
+    assert len(CAPTURES) >= 5  # pgoutput, bytea, cut, positions, the backlog
     kinds = {data[:1] for capture in CAPTURES.values() for data in capture}
     assert kinds >= {b"B", b"C", b"R", b"I", b"M", b"U", b"D", b"T"}
 
