@@ -359,6 +359,9 @@ class StreamRelay:
         self._waiting = False  # still before the cut
         self._slot_confirmed: Lsn = 0  # the slot's position at start
         self._timeline = 0  # the server's at start, or since it changed (0: not known)
+        # A failover slot whose server holds back WAL for a standby (synchronized_standby_slots):
+        # a promoted standby then has all this relay was sent.
+        self._guarded = False
         # The last lost connection's error, where the stream was, and when.
         self._last_loss: tuple[str, Lsn, float] = ("", -1, 0.0)
         self._losses = 0  # connections lost in a row with that error at that position
@@ -834,6 +837,7 @@ class StreamRelay:
             self._timeline = int(timeline or 0)
             if self._eos is not None:
                 self._eos.timeline = self._timeline
+            self._guarded = self._failover_guarded(conn)
             self._slot_confirmed = parse_lsn(str(slot["confirmed_flush_lsn"]))
             if invalidated := failover.slot_invalidated(settings.slot, slot):
                 raise PreflightError(invalidated)
@@ -935,8 +939,9 @@ class StreamRelay:
     def _follow_timeline(self) -> None:
         """Reconnecting: the server may be another one, promoted since (a multi-host DSN, an
         address moved to the standby). On another timeline, the WAL past the slot's position
-        there may be the new primary's own, which this relay never read: the stream starts
-        again from the slot's position, not from this relay's (duplicates, never a loss), and
+        there may be the new primary's own, which this relay never read: unless the old
+        primary held WAL back for the standby (``_guarded``), the stream starts again from the
+        slot's position, not from this relay's (duplicates, never a loss), and
         with exactly once the new timeline goes into the checkpoints and the checkpoint held
         is trusted on it as at start."""
         timeline, confirmed = self._read_timeline(self.settings.dsn, self.settings.slot)
@@ -951,6 +956,9 @@ class StreamRelay:
             extra={"action": "timeline", "timeline": timeline, "lsn": format_lsn(confirmed)},
         )
         self._timeline = timeline
+        if self._guarded:  # the history this relay was sent is the new primary's too
+            self._trust_again(confirmed)
+            return
         self.tracker.rebase(confirmed)
         after = self._after_cut
         if after is not None and not self._waiting and (after.lsn is None or confirmed < after.lsn):
@@ -958,10 +966,32 @@ class StreamRelay:
             # old shards' again (as on a restart, _start_after_cut).
             self._waiting = self._quiet = True
             self._cut_transaction = None
+        self._trust_again(confirmed)
+
+    def _trust_again(self, confirmed: Lsn) -> None:
+        """Exactly once, on a new timeline: its checkpoints carry it, and the checkpoint held
+        is trusted on it as at start."""
         eos = self._eos
         if eos is not None:
-            eos.timeline = timeline
+            eos.timeline = self._timeline
             self._trust(eos, eos.committed, confirmed)
+
+    def _failover_guarded(self, conn: psycopg.Connection[dict[str, Any]]) -> bool:
+        """Whether a promoted standby has all this relay is sent (a failover slot, and the
+        server's synchronized_standby_slots set); a failover slot without it is said."""
+        row = conn.execute(QUERIES["failover_guarded"], {"slot": self.settings.slot}).fetchone()
+        if not row or not row["failover"]:
+            return False
+        if not row["synchronized"]:
+            log.warning(
+                "slot %s fails over, but synchronized_standby_slots is empty: this relay may be "
+                "sent changes no standby has yet, and after a promotion it streams again from "
+                "the slot's copy, which may lag (duplicates); cdc-relay setup-slot --failover "
+                "says what to set",
+                self.settings.slot,
+                extra={"action": "failover_unguarded", "slot": self.settings.slot},
+            )
+        return bool(row["synchronized"])
 
     def _held(self) -> None:
         """The slot is this relay's now: what was decided from its position before it was

@@ -896,3 +896,10 @@ WHERE slot = %(slot)s AND confirmed_lsn < %(lsn)s::pg_lsn
 UPDATE cdc_relay_slots
 SET publication = %(publication)s, published = %(published)s, verified_lsn = %(lsn)s::pg_lsn
 WHERE slot = %(slot)s
+
+-- failover_guarded --
+-- Whether a failover of the slot keeps the history the relay was sent: a failover slot (17+) on a server whose synchronized_standby_slots names a standby's slot, so that no WAL reaches the relay before that standby has it; NULL settings (before 17) count as not
+SELECT coalesce((to_jsonb(s) ->> 'failover')::bool, false) AS failover,
+       coalesce(current_setting('synchronized_standby_slots', true), '') <> '' AS synchronized
+FROM pg_replication_slots s
+WHERE s.slot_name = %(slot)s

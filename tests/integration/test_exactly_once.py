@@ -47,7 +47,7 @@ from test_observability import scrape
 
 from cdc_relay.devstack import LOOPBACK, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
-from cdc_relay.exactly_once import read_checkpoint
+from cdc_relay.exactly_once import Unit, read_checkpoint
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
@@ -382,8 +382,8 @@ def test_an_event_kafka_refuses_goes_to_the_dead_letter_topic_once_and_nothing_t
     )
     print(checkpoint)
     # The last unit all in, or the last transaction's events up to the culprit counted.
-    whole = checkpoint.position >= first[0].after_commit_lsn
-    counted = first[0].after_commit_lsn <= checkpoint.partial_position < last[
+    whole = checkpoint.position.lsn >= first[0].after_commit_lsn
+    counted = first[0].after_commit_lsn <= checkpoint.partial.lsn < last[
         0
     ].after_commit_lsn and checkpoint.partial_events == len(last)
     assert whole or counted, checkpoint
@@ -833,7 +833,7 @@ def test_a_checkpoint_of_another_timeline_skips_nothing_past_the_slot(
     config = producer_config(kafka_service.bootstrap, {})
     ensure_topic(config, topic, 30)
     confirmed = parse_lsn(slot_row(outbox_db, names.slot)["confirmed"])
-    old = Checkpoint(confirmed + 2**30, confirmed + 2**30 + 4096, 3, timeline=99)
+    old = Checkpoint(Unit(confirmed + 2**30), Unit(confirmed + 2**30 + 4096), 3, timeline=99)
     producer = Producer({"bootstrap.servers": kafka_service.bootstrap})
     producer.produce(topic, old.encode(), f"cdc-relay-{names.slot}".encode())
     assert producer.flush(30) == 0

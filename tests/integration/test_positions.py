@@ -113,6 +113,7 @@ def test_a_kill_inside_a_transaction_sharing_its_position_with_a_message_loses_n
         conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (inspect,))
     written = write(outbox_db, emitter)
     message_lsn, commit_lsn = shape(outbox_db, inspect, names.publication)
+    wait_slot(outbox_db, inspect, active=False)  # its walsender may outlive the close a moment
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute("SELECT pg_drop_replication_slot(%s)", (inspect,))
     assert message_lsn == commit_lsn, "the workload did not make the shape it tests"
