@@ -339,6 +339,7 @@ class StreamRelay:
         self._relations: dict[int, str] = {}  # relid -> name, for messages about other tables
         self._bytea_types: frozenset[int] = frozenset({BYTEA_OID})  # and its domains
         self._stop = False
+        self._shutting_down = False  # in the graceful stop: a refusal no longer rewinds
         self._conn: Source | None = None
         self._mappers: dict[int, RowMapper | None] = {}
         self._begin: Begin | None = None
@@ -647,7 +648,14 @@ class StreamRelay:
         """Exactly once: commit when the transaction is old or large enough (or ``force``)."""
         if self._eos is None or not self._eos.due(force):
             return
-        self.pipeline.serve(0)  # a refusal reported by now rewinds instead
+        if self._shutting_down:
+            # No rewind while stopping: a refusal reported by now keeps the transaction from
+            # committing, and the stop goes on (the replay after a restart meets it again).
+            self.sink.poll(0)
+            if self.rewinds.pending:
+                return
+        else:
+            self.pipeline.serve(0)  # a refusal reported by now rewinds instead
         try:
             self._eos.commit()
         except TransactionAborted as exc:
@@ -1218,6 +1226,7 @@ class StreamRelay:
                 self._send_status()
 
     def shutdown(self) -> None:
+        self._shutting_down = True
         try:
             if self.rewinds.pending or self.sink.broken:
                 # Kafka refused events: what the producer holds is not delivered (a later

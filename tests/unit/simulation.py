@@ -73,12 +73,7 @@ from cdc_relay.tables import OutboxTable
 # Defects the simulation finds that are not fixed yet: a process that meets one ends there
 # (as a crash would), so that the search goes on past it; each has its own test, expected to
 # fail until it is fixed (test_simulation.py). Empty this when they are.
-KNOWN_OPEN = {
-    # Exactly once: a refusal reported while the graceful stop waits for Kafka raises
-    # pipeline.Rewind out of StreamRelay.shutdown (_drain -> _send_status -> _maybe_commit ->
-    # serve): the relay exits with a traceback instead of its stop line.
-    "rewind out of the stop",
-}
+KNOWN_OPEN: set[str] = set()
 
 PREFIX = "outbox"
 TOO_LARGE = KafkaError.MSG_SIZE_TOO_LARGE  # the event's own: the culprit
