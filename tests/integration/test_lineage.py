@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -310,3 +311,54 @@ def test_the_watchers_session_terminated_is_no_shutdown_and_keeps_the_cap(
         assert watcher.verified > verified and not watcher.shutting_down
     finally:
         watcher.stop()
+
+
+# -- adversarial review: a change of nothing the publication publishes stops a healthy relay --
+
+HARMLESS = {
+    # The publication's owner changes (REASSIGN OWNED when a DBA leaves does the same): what it
+    # publishes does not; its pg_publication row gets a new xmin.
+    "owner": lambda names: (
+        "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'adv_owner') THEN "
+        "CREATE ROLE adv_owner SUPERUSER NOLOGIN; END IF; END $$",
+        f"ALTER PUBLICATION {names.publication} OWNER TO adv_owner",
+        f"ALTER PUBLICATION {names.publication} OWNER TO CURRENT_USER",
+    ),
+    # Publish options set to what they are already (a set-up script that runs again).
+    "same_options": lambda names: (
+        f"ALTER PUBLICATION {names.publication} SET (publish = 'insert')",
+    ),
+    # Catalog maintenance: controls, expected to pass.
+    "vacuum_freeze": lambda names: (
+        "VACUUM (FREEZE) pg_catalog.pg_publication",
+        "VACUUM (FREEZE) pg_catalog.pg_publication_rel",
+    ),
+    "vacuum_full": lambda names: (
+        "VACUUM FULL pg_catalog.pg_publication",
+        "VACUUM FULL pg_catalog.pg_publication_rel",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", sorted(HARMLESS))
+def test_a_change_that_leaves_what_is_published_as_it_was_does_not_stop_the_relay(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, change: str
+) -> None:
+    """The identities compared are catalog rows' OIDs and xmins, and any UPDATE of the
+    publication's row gives it a new xmin: an owner change, or options set to what they were,
+    stops every relay of the publication with 'ALTER PUBLICATION altered it' and asks for
+    --republish-since or --accept-gap, the latter saying rows were skipped when none were."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        first = _insert(outbox_db, "before")
+        assert _ids(kafka_service, names, 1) == [first]
+        _sql(outbox_db, *HARMLESS[change](names))
+        second = _insert(outbox_db, "after")
+        received = _ids(kafka_service, names, 2)
+        time.sleep(3)  # a few looks of the watcher (every second)
+        assert relay.alive(), relay.log().strip().splitlines()[-1]
+        assert received == [first, second]
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
