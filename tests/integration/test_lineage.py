@@ -17,6 +17,7 @@ import psycopg
 import pytest
 from relaytools import RelayProcess, consume, relay_env, setup_slot, slot_row, wait_until
 
+from cdc_relay import lineage
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.slot import connect
@@ -362,3 +363,41 @@ def test_a_change_that_leaves_what_is_published_as_it_was_does_not_stop_the_rela
         assert relay.stop() == 0, relay.log()
     finally:
         relay.close()
+
+
+def test_a_lineage_table_a_non_writer_made_first_is_taken_and_its_maker_unmakes_the_lineage(
+    outbox_db: str, names: Any
+) -> None:
+    """cdc_relay_slots is found by its bare name (to_regclass('cdc_relay_slots'), search_path)
+    and made with CREATE TABLE IF NOT EXISTS, which takes any table of that name as it is.
+    Where PUBLIC may create in schema public (before PostgreSQL 15, and in every database
+    pg_upgrade brought from there; roles.sql only warns) and the lineage table is not there
+    yet (a database set up before this version: setup-slot makes it when missing), a role with
+    CONNECT alone makes it first and owns it. setup-slot records the slot in it; the owner
+    deletes the row; the slot is lost; setup-slot makes it anew at the WAL's position, exit 0,
+    skipping every event committed since: invariant 14 undone by a role that may write nothing."""
+    hostile = f"t_hostile_{uuid.uuid4().hex[:8]}"
+    _sql(
+        outbox_db,
+        "DROP TABLE cdc_relay_slots",  # a database whose outbox predates the lineage table
+        "GRANT CREATE ON SCHEMA public TO PUBLIC",  # PostgreSQL 14's default
+        f"CREATE ROLE {hostile} LOGIN",
+    )
+    try:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(f"SET ROLE {hostile}".encode())
+            conn.execute(lineage.DDL.encode())
+            conn.execute(b"GRANT ALL ON cdc_relay_slots TO PUBLIC")
+        setup_slot(outbox_db, names)
+        assert _recorded(outbox_db, names.slot) > 0
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(f"SET ROLE {hostile}".encode())
+            conn.execute(b"DELETE FROM cdc_relay_slots")
+        _sql(outbox_db, f"SELECT pg_drop_replication_slot('{names.slot}')")  # lost
+        _insert(outbox_db, "gap")
+        made = cli("setup-slot", *_base(outbox_db, names))
+        assert made.returncode == 1 and "existed and is gone" in made.stderr, (
+            f"the lost slot was made anew: {made.stdout.strip()}"
+        )
+    finally:
+        _sql(outbox_db, "DROP TABLE IF EXISTS cdc_relay_slots", f"DROP ROLE {hostile}")
