@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import psycopg
 import pytest
 from relaytools import RelayProcess, consume, relay_env, setup_slot, slot_row, wait_until
 
+from cdc_relay import lineage, schema
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.slot import connect
@@ -310,3 +312,133 @@ def test_the_watchers_session_terminated_is_no_shutdown_and_keeps_the_cap(
         assert watcher.verified > verified and not watcher.shutting_down
     finally:
         watcher.stop()
+
+
+# -- adversarial review: a change of nothing the publication publishes stops a healthy relay --
+
+HARMLESS = {
+    # The publication's owner changes (REASSIGN OWNED when a DBA leaves does the same): what it
+    # publishes does not; its pg_publication row gets a new xmin.
+    "owner": lambda names: (
+        "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'adv_owner') THEN "
+        "CREATE ROLE adv_owner SUPERUSER NOLOGIN; END IF; END $$",
+        f"ALTER PUBLICATION {names.publication} OWNER TO adv_owner",
+        f"ALTER PUBLICATION {names.publication} OWNER TO CURRENT_USER",
+    ),
+    # Publish options set to what they are already (a set-up script that runs again).
+    "same_options": lambda names: (
+        f"ALTER PUBLICATION {names.publication} SET (publish = 'insert')",
+    ),
+    # Catalog maintenance: controls, expected to pass.
+    "vacuum_freeze": lambda names: (
+        "VACUUM (FREEZE) pg_catalog.pg_publication",
+        "VACUUM (FREEZE) pg_catalog.pg_publication_rel",
+    ),
+    "vacuum_full": lambda names: (
+        "VACUUM FULL pg_catalog.pg_publication",
+        "VACUUM FULL pg_catalog.pg_publication_rel",
+    ),
+}
+
+
+@pytest.mark.parametrize("change", sorted(HARMLESS))
+def test_a_change_that_leaves_what_is_published_as_it_was_does_not_stop_the_relay(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, change: str
+) -> None:
+    """The identities compared are catalog rows' OIDs and xmins, and any UPDATE of the
+    publication's row gives it a new xmin: an owner change, or options set to what they were,
+    stops every relay of the publication with 'ALTER PUBLICATION altered it' and asks for
+    --republish-since or --accept-gap, the latter saying rows were skipped when none were."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        first = _insert(outbox_db, "before")
+        assert _ids(kafka_service, names, 1) == [first]
+        _sql(outbox_db, *HARMLESS[change](names))
+        second = _insert(outbox_db, "after")
+        received = _ids(kafka_service, names, 2)
+        time.sleep(3)  # a few looks of the watcher (every second)
+        assert relay.alive(), relay.log().strip().splitlines()[-1]
+        assert received == [first, second]
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+
+
+def test_a_lineage_table_a_non_writer_made_first_is_taken_and_its_maker_unmakes_the_lineage(
+    outbox_db: str, names: Any
+) -> None:
+    """cdc_relay_slots is found by its bare name (to_regclass('cdc_relay_slots'), search_path)
+    and made with CREATE TABLE IF NOT EXISTS, which takes any table of that name as it is.
+    Where PUBLIC may create in schema public (before PostgreSQL 15, and in every database
+    pg_upgrade brought from there; roles.sql only warns) and the lineage table is not there
+    yet (a database set up before this version: setup-slot makes it when missing), a role with
+    CONNECT alone makes it first and owns it. setup-slot records the slot in it; the owner
+    deletes the row; the slot is lost; setup-slot makes it anew at the WAL's position, exit 0,
+    skipping every event committed since: invariant 14 undone by a role that may write nothing."""
+    hostile = f"t_hostile_{uuid.uuid4().hex[:8]}"
+    _sql(
+        outbox_db,
+        "DROP TABLE cdc_relay_slots",  # a database whose outbox predates the lineage table
+        "GRANT CREATE ON SCHEMA public TO PUBLIC",  # PostgreSQL 14's default
+        f"CREATE ROLE {hostile} LOGIN",
+    )
+    try:
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(f"SET ROLE {hostile}".encode())
+            conn.execute(lineage.DDL.encode())
+            conn.execute(b"GRANT ALL ON cdc_relay_slots TO PUBLIC")
+        setup_slot(outbox_db, names)
+        assert _recorded(outbox_db, names.slot) > 0
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(f"SET ROLE {hostile}".encode())
+            conn.execute(b"DELETE FROM cdc_relay_slots")
+        _sql(outbox_db, f"SELECT pg_drop_replication_slot('{names.slot}')")  # lost
+        _insert(outbox_db, "gap")
+        made = cli("setup-slot", *_base(outbox_db, names))
+        assert made.returncode == 1 and "existed and is gone" in made.stderr, (
+            f"the lost slot was made anew: {made.stdout.strip()}"
+        )
+    finally:
+        _sql(outbox_db, "DROP TABLE IF EXISTS cdc_relay_slots", f"DROP ROLE {hostile}")
+
+
+def test_an_outbox_dropped_and_made_again_while_the_relay_was_down_stops_it_at_start(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """Adversarial review: the row's identities are keyed by table OID, and a table of --table
+    that the row does not know is taken for one added by the operator (check_stream records
+    it, lineage.change passes it over). The outbox dropped and made again while no relay ran
+    (a migration in a maintenance window) has a new OID: the rows written before it was added
+    to the publication again were never decoded, and the relay starts, streams the later ones
+    and confirms past them, saying nothing (invariant 13: membership changed while no relay
+    ran is found at start)."""
+    setup_slot(outbox_db, names)
+    relay = RelayProcess(tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names)).start()
+    try:
+        first = _insert(outbox_db, "before")
+        assert _ids(kafka_service, names, 1) == [first]
+        assert relay.stop() == 0, relay.log()
+    finally:
+        relay.close()
+    _sql(outbox_db, "DROP TABLE outbox_events CASCADE")
+    with psycopg.connect(outbox_db, autocommit=True) as conn:
+        conn.execute(schema.text("outbox").encode())
+    gap = _insert(outbox_db, "gap")  # the new table is in no publication yet: never decoded
+    _sql(outbox_db, f"ALTER PUBLICATION {names.publication} ADD TABLE outbox_events")
+    after = _insert(outbox_db, "after")
+    again = RelayProcess(
+        tmp_path, relay_env(outbox_db, kafka_service.bootstrap, names), name="again"
+    ).start()
+    try:
+        deadline = time.monotonic() + 20
+        while again.alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        received = [r.id for r in consume(kafka_service.bootstrap, names.topic_prefix, 3, settle=2)]
+        assert not again.alive(), (
+            f"the relay streams on: received {len(received)} events, the one written to the "
+            f"new table before it was published again missing: {gap not in received}, "
+            f"after delivered: {after in received}"
+        )
+    finally:
+        again.close()

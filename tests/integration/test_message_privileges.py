@@ -382,3 +382,81 @@ def test_a_forged_cut_does_not_release_a_new_shard_and_the_genuine_one_does(
         assert relay.stop() == 0
     finally:
         relay.close()
+
+
+# -- adversarial review: the check reads today's privileges, the slot decodes older WAL --------
+
+
+def _close_to(dsn: str, writer: str) -> str:
+    """Revoke EXECUTE from PUBLIC and grant it to ``writer`` (made here), as the relay's own
+    refusal asks; the functions' signatures."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} NOLOGIN").format(sql.Identifier(writer)))
+        conn.execute(sql.SQL("GRANT INSERT ON outbox_events TO {}").format(sql.Identifier(writer)))
+        functions = ", ".join(
+            row[0]
+            for row in conn.execute(
+                "SELECT oid::regprocedure::text FROM pg_proc WHERE proname = %s ORDER BY 1", [EMIT]
+            )
+        )
+        conn.execute(f"REVOKE EXECUTE ON FUNCTION {functions} FROM PUBLIC".encode())
+        conn.execute(
+            sql.SQL(f"GRANT EXECUTE ON FUNCTION {functions} TO {{}}").format(sql.Identifier(writer))
+        )
+    return functions
+
+
+def test_a_message_forged_while_public_could_emit_is_relayed_once_closed(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, roles: Roles
+) -> None:
+    """stream --messages checks who may emit NOW, at start; the slot decodes WAL written
+    before. A role with CONNECT alone emits an outbox message while PUBLIC holds EXECUTE (the
+    default); the operator then closes the function exactly as the refusal says and starts
+    stream --messages: the forged message, still ahead of the slot, goes to Kafka as an event
+    (invariant 12: an event reaches Kafka only if a writer put it in the database)."""
+    setup_slot(outbox_db, names)
+    forged = str(uuid.uuid4())
+    emit(roles.dsn(outbox_db, roles.reader), "outbox", envelope(forged))
+    _close_to(outbox_db, roles.writer)
+    genuine = str(uuid.uuid4())
+    insert(outbox_db, genuine)
+    env = relay_env(
+        outbox_db, kafka_service.bootstrap, names, messages="true", message_writer=roles.writer
+    )
+    relay = RelayProcess(tmp_path, env).start()
+    try:
+        wait_until(lambda: "streaming slot" in relay.log() or not relay.alive(), 60, "the relay")
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=2, settle=2)
+        assert forged not in [r.id for r in received], (
+            "a message a non-writer emitted before the function was closed reached Kafka"
+        )
+    finally:
+        relay.close()
+
+
+def test_a_message_emitted_by_a_role_granted_execute_while_the_relay_runs_is_relayed(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, roles: Roles
+) -> None:
+    """The check is at start only: once the relay streams, a GRANT EXECUTE to a role that is
+    no writer (or to PUBLIC again) lets that role put events on Kafka until the relay happens
+    to restart; status alerts, the relay goes on relaying."""
+    setup_slot(outbox_db, names)
+    functions = _close_to(outbox_db, roles.writer)
+    env = relay_env(
+        outbox_db, kafka_service.bootstrap, names, messages="true", message_writer=roles.writer
+    )
+    relay = RelayProcess(tmp_path, env).start()
+    try:
+        wait_until(lambda: "streaming slot" in relay.log(), 60, "the relay to start")
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            conn.execute(f"GRANT EXECUTE ON FUNCTION {functions} TO PUBLIC".encode())
+        forged = str(uuid.uuid4())
+        emit(roles.dsn(outbox_db, roles.reader), "outbox", envelope(forged))
+        genuine = str(uuid.uuid4())
+        insert(outbox_db, genuine)
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=2, settle=2)
+        assert forged not in [r.id for r in received], (
+            "a non-writer's message reached Kafka: the privilege check ran at start only"
+        )
+    finally:
+        relay.close()

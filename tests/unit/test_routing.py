@@ -291,3 +291,29 @@ def test_threads_sharing_a_router_agree_on_which_name_a_topic_is_of() -> None:
     for thread in threads:
         thread.join()
     assert sorted(outcomes) == ["refused"] * 4 + ["routed"] * 4
+
+
+def test_a_restart_that_meets_the_refused_aggregate_type_first_lets_both_into_one_topic() -> None:
+    """Adversarial review: the refusal of a second aggregate type making a topic already made
+    is held in one router's memory only. The relay stops at the refused event (no dead-letter
+    topic) and resumes from the slot, whose first event is now that refused one: a new router
+    meets it first and routes it, and refuses the first type instead. Across one restart the
+    topic holds both types' events, the mix the refusal exists to prevent, and the operator saw
+    a stop that a restart 'healed'. (Poll with --max-attempts, and shards that meet the two in
+    different orders, do the same.)"""
+    into: dict[str, set[str]] = {}
+    before = Router()  # the run before the stop
+    message = before.route(typed("order_line", 1))
+    into.setdefault(message.topic, set()).add("order_line")
+    with pytest.raises(TopicTaken):
+        before.route(typed("order/line", 2))  # the relay stops here; nothing after confirmed
+    after = Router()  # the same relay started again: the slot replays from event 2
+    try:
+        message = after.route(typed("order/line", 2))
+    except TopicTaken:
+        pass
+    else:
+        into.setdefault(message.topic, set()).add("order/line")
+    assert into == {"outbox.event.order_line": {"order_line"}}, (
+        "both aggregate types were routed into one topic across a restart"
+    )
