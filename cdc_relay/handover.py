@@ -41,6 +41,7 @@ from cdc_relay.store import (
     published_after,
     resolve,
 )
+from cdc_relay.tables import untrusted_message, untrusted_owner
 
 
 @dataclass
@@ -256,6 +257,12 @@ def _check_handover(
             f"{outbox.table.schema}.{FENCES} of schema poller, which is not there; apply it "
             f"(cdc-relay schema apply poller, in schema {outbox.table.schema}), then run the "
             "handover again"
+        )
+    fences = f"{outbox.table.schema}.{FENCES}"
+    owner = untrusted_owner(conn, sql.Identifier(outbox.table.schema, FENCES).as_string(conn))
+    if owner is not None:
+        raise PreflightError(
+            untrusted_message(fences, owner, "the handover fences the pollers off the table")
         )
     earlier = handover_fence(conn, outbox)
     if earlier is not None:

@@ -41,7 +41,7 @@ from cdc_relay import queries, schema
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import Lsn, format_lsn, parse
 from cdc_relay.queries import QUERIES
-from cdc_relay.tables import OutboxTable
+from cdc_relay.tables import OutboxTable, untrusted_message, untrusted_owner
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,18 @@ def published(
 
 def change(before: Mapping[str, Any], now: Mapping[str, Any], publication: str) -> str | None:
     """What changed in ``publication`` between two looks (``published``'s), for the tables
-    seen at both; None when nothing did."""
+    seen at both, and a table that is another one under a name seen before; None when nothing
+    did."""
+    names = {was["table"]: oid for oid, was in before.items()}
     for oid, seen in now.items():
         was = before.get(oid)
+        if was is None and names.get(seen["table"], oid) != oid:
+            # Dropped and made again: the new table's rows from before it was published again
+            # were never decoded.
+            return (
+                f"{seen['table']} is another table than the one it published (dropped and made "
+                "again)"
+            )
         if was is None or list(was["identity"]) == list(seen["identity"]):
             continue
         old, new = list(was["identity"]), list(seen["identity"])
@@ -389,6 +398,11 @@ def prepare(conn: Connection, dry_run: bool) -> tuple[bool, str]:
             return False, f"{DDL};"
         conn.execute(DDL)
         return True, f"{DDL};"
+    owner = untrusted_owner(conn, TABLE)
+    if owner is not None:
+        raise PreflightError(
+            untrusted_message(TABLE, owner, "setup-slot records what each slot was")
+        )
     if not allowed.get("writable"):
         role = (conn.execute(QUERIES["server"]).fetchone() or {}).get("role")
         raise PreflightError(

@@ -54,3 +54,23 @@ def table_by_oid(conn: psycopg.Connection[dict[str, Any]], oid: int) -> OutboxTa
     """The table of ``oid`` as it is named now; None once it is dropped."""
     row = conn.execute(QUERIES["outbox_table_by_oid"], {"oid": oid}).fetchone()
     return OutboxTable(**row) if row else None
+
+
+def untrusted_owner(conn: psycopg.Connection[Any], table: str) -> str | None:
+    """The owner of ``table`` (a table the relays keep state in: slot lineage, handover
+    fences) when it is neither this role, a role it is a direct member of, nor a superuser;
+    None otherwise. CREATE TABLE IF NOT EXISTS takes a table another role made first as it
+    finds it, and its owner could rewrite what it says."""
+    row = conn.execute(QUERIES["untrusted_owner"], {"table": table}).fetchone()
+    if row is None:
+        return None
+    return str(row["owner"] if isinstance(row, dict) else row[0])
+
+
+def untrusted_message(table: str, owner: str, what: str) -> str:
+    """The one line for a table ``untrusted_owner`` names."""
+    return (
+        f"table {table}, where {what}, is owned by role {owner}, neither this role nor a "
+        "superuser: a role that made it first may rewrite it; check it, then ALTER TABLE "
+        f"{table} OWNER TO the role that runs this (or drop it and make it again)"
+    )

@@ -903,3 +903,15 @@ SELECT coalesce((to_jsonb(s) ->> 'failover')::bool, false) AS failover,
        coalesce(current_setting('synchronized_standby_slots', true), '') <> '' AS synchronized
 FROM pg_replication_slots s
 WHERE s.slot_name = %(slot)s
+
+-- untrusted_owner --
+-- The owner of a table the relays keep state in, when it is neither this role, a role it is a direct member of, nor a superuser: a table another role made first (CREATE TABLE IF NOT EXISTS takes it as it is) lets that role rewrite what it says; no row when trusted or missing
+SELECT r.rolname AS owner
+FROM pg_class c
+JOIN pg_roles r ON r.oid = c.relowner
+WHERE c.oid = to_regclass(%(table)s)
+  AND NOT r.rolsuper
+  AND r.rolname <> current_user
+  AND NOT EXISTS (SELECT FROM pg_auth_members m
+                  JOIN pg_roles me ON me.oid = m.member
+                  WHERE m.roleid = r.oid AND me.rolname = current_user)

@@ -406,6 +406,11 @@ def _close_to(dsn: str, writer: str) -> str:
     return functions
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a message emitted while PUBLIC could still emit is in the WAL ahead of the "
+    "slot, and the check at start cannot tell who wrote it",
+)
 def test_a_message_forged_while_public_could_emit_is_relayed_once_closed(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, roles: Roles
 ) -> None:
@@ -434,6 +439,11 @@ def test_a_message_forged_while_public_could_emit_is_relayed_once_closed(
         relay.close()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: the privilege is checked at start only; status --messages alerts, the "
+    "running relay does not stop",
+)
 def test_a_message_emitted_by_a_role_granted_execute_while_the_relay_runs_is_relayed(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any, roles: Roles
 ) -> None:
