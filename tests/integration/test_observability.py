@@ -144,6 +144,12 @@ def test_logs_never_show_the_password(
         conn.execute(f"GRANT SELECT ON outbox_events TO {role}")
     try:
         setup_slot(outbox_db, names)
+        with psycopg.connect(outbox_db, autocommit=True) as conn:
+            # what a stream role moves of its slot's lineage (sql/roles.sql grants the same)
+            conn.execute(
+                "GRANT SELECT, UPDATE (confirmed_lsn, confirmed_from, published, verified_lsn) "
+                f"ON cdc_relay_slots TO {role}"
+            )
         dsn = f"{outbox_db} user={role} password={password}"
         env = relay_env(dsn, kafka_service.bootstrap, names, log_format=log_format)
         relay = RelayProcess(tmp_path, env, name=f"relay-{log_format}").start()
