@@ -54,7 +54,7 @@ def test_schema_apply_makes_each_schema_and_applied_again_keeps_what_is_there(
         assert process.returncode == 0
         assert out == (
             f"applied schema outbox to database {dbname}: the outbox table, the stream's "
-            "dead-letter table and outbox_emit()\n"
+            "dead-letter table, the slots' lineage table and outbox_emit()\n"
         )
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute(
