@@ -842,9 +842,7 @@ class StreamRelay:
                     "run cdc-relay setup-slot first"
                 )
             observe_slot(slot)
-            self._timeline = int(timeline or 0)
-            if self._eos is not None:
-                self._eos.timeline = self._timeline
+            self._note_timeline(timeline)
             self._guarded = self._failover_guarded(conn)
             self._slot_confirmed = parse_lsn(str(slot["confirmed_flush_lsn"]))
             if invalidated := failover.slot_invalidated(settings.slot, slot):
@@ -1001,15 +999,21 @@ class StreamRelay:
             )
         return bool(row["synchronized"])
 
+    def _note_timeline(self, timeline: object) -> None:
+        """The server's timeline as read (NULL on a standby: 0, not known), for the relay and
+        exactly once's checkpoints alike."""
+        self._timeline = int(str(timeline)) if timeline else 0
+        if self._eos is not None:
+            self._eos.timeline = self._timeline
+
     def _held(self) -> None:
         """The slot is this relay's now: what was decided from its position before it was
         held (a standby waited meanwhile) is decided again from where it is."""
         with connect(self.settings.dsn) as conn:
             # The server may be another one by now, promoted while this relay stood by.
-            timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
-            self._timeline = int(timeline or 0)
-            if self._eos is not None:
-                self._eos.timeline = self._timeline
+            self._note_timeline(
+                (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
+            )
             slot = conn.execute(QUERIES["slot"], {"slot": self.settings.slot}).fetchone()
             if not slot:
                 return  # dropped meanwhile: the stream says so
