@@ -29,13 +29,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cdc_relay import pgoutput
-from cdc_relay.checkpoint import LsnTracker
 from cdc_relay.events import Begin, Commit, Insert, Relation, RowMapper
+from cdc_relay.kafka.routing import Message, Router
+from cdc_relay.kafka.sink import KafkaSink, producer_config
 from cdc_relay.metrics import EVENTS_PUBLISHED, LATENCY
-from cdc_relay.routing import Message, Router
-from cdc_relay.sink import KafkaSink, producer_config
-from cdc_relay.tables import OutboxTable
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.tables import OutboxTable
+from cdc_relay.relay.checkpoint import LsnTracker
 
 DATA = Path(__file__).with_name("data") / "pgoutput-backlog.jsonl"
 
@@ -145,7 +145,7 @@ def measure(bootstrap: str | None, repeat: int, copies: int) -> dict[str, float]
 
 def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
     """StreamRelay's handling of every record, with the real sink and tracker."""
-    from cdc_relay.stream import StreamRelay, StreamSettings
+    from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
     settings = StreamSettings(
         dsn="",

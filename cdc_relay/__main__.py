@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from cdc_relay.startup import main
+from cdc_relay.commands.startup import main
 
 main()

@@ -15,7 +15,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from cdc_relay.errors import UsageError
 
 if TYPE_CHECKING:  # cloudevents.py reads the database, which this module need not import
-    from cdc_relay.cloudevents import CloudEvents
+    from cdc_relay.kafka.cloudevents import CloudEvents
 
 ENV_PREFIX = "CDC_RELAY_"
 

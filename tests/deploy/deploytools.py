@@ -14,7 +14,7 @@ from typing import Any
 import promql_parser
 import yaml
 
-from cdc_relay.cli import cli
+from cdc_relay.commands.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

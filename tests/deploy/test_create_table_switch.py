@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from deploytools import BASE, named, objects_of, resource_files
 
-from cdc_relay.cli import cli
+from cdc_relay.commands.cli import cli
 
 pytestmark = pytest.mark.deploy
 

@@ -20,8 +20,8 @@ from deploytools import (
     render,
 )
 
-from cdc_relay.cli import cli
-from cdc_relay.shards import Shard, every_shard
+from cdc_relay.commands.cli import cli
+from cdc_relay.postgres.shards import Shard, every_shard
 
 pytestmark = [
     pytest.mark.deploy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from deploytools import STANDBY, kustomize_command, named, render
 
-from cdc_relay.cli import cli
+from cdc_relay.commands.cli import cli
 
 pytestmark = pytest.mark.deploy
 

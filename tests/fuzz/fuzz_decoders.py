@@ -32,8 +32,8 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports(include=["cdc_relay"]):
-    from cdc_relay import pgoutput
-    from cdc_relay.wal2json import Wal2JsonDecoder
+    from cdc_relay.postgres import pgoutput
+    from cdc_relay.postgres.wal2json import Wal2JsonDecoder
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
 from capture import messages

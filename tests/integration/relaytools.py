@@ -27,12 +27,13 @@ from confluent_kafka.admin import (
 )
 from psycopg.rows import dict_row
 
-from cdc_relay import pgoutput, schema
+from cdc_relay import schema
 from cdc_relay.events import Insert
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.messages import EmitGrants
 from cdc_relay.outbox import write_event
-from cdc_relay.slot import SlotSpec, setup
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.messages import EmitGrants
+from cdc_relay.postgres.slot import SlotSpec, setup
 
 # -- the relay process ------------------------------------------------------------------------
 

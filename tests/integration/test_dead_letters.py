@@ -9,9 +9,9 @@ from confluent_kafka import KafkaError
 from psycopg.rows import dict_row
 
 from cdc_relay import schema
-from cdc_relay.deadletter import DeadLetters
 from cdc_relay.errors import PreflightError
-from cdc_relay.routing import Message
+from cdc_relay.kafka.deadletter import DeadLetters
+from cdc_relay.kafka.routing import Message
 
 pytestmark = pytest.mark.integration
 

@@ -29,9 +29,9 @@ from relaytools import (
 )
 
 from cdc_relay.devstack.postgres import LocalPostgres
-from cdc_relay.exactly_once import read_checkpoint, transactional_id
+from cdc_relay.kafka.exactly_once import read_checkpoint, transactional_id
+from cdc_relay.kafka.sink import producer_config
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.sink import producer_config
 
 pytestmark = pytest.mark.integration
 

@@ -43,8 +43,8 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from relaytools import Load, RelayProcess, check, consume, relay_env, slot_row, wait_until
 
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.shards import Shard, every_shard
-from cdc_relay.slot import SlotSpec, setup
+from cdc_relay.postgres.shards import Shard, every_shard
+from cdc_relay.postgres.slot import SlotSpec, setup
 
 pytestmark = [
     pytest.mark.integration,

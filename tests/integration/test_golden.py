@@ -45,7 +45,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from psycopg import sql
 from relaytools import RelayProcess, install_poller, relay_env, writers_only
 
-from cdc_relay.slot import SlotSpec, setup
+from cdc_relay.postgres.slot import SlotSpec, setup
 
 pytestmark = pytest.mark.integration
 

@@ -17,12 +17,13 @@ import psycopg
 import pytest
 from relaytools import RelayProcess, consume, relay_env, setup_slot, slot_row, wait_until
 
-from cdc_relay import lineage, schema
+from cdc_relay import schema
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.slot import connect
-from cdc_relay.tables import find_table
-from cdc_relay.watch import Watcher
+from cdc_relay.postgres import lineage
+from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.tables import find_table
+from cdc_relay.postgres.watch import Watcher
 
 pytestmark = pytest.mark.integration
 

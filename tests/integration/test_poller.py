@@ -36,7 +36,8 @@ from relaytools import (
     wait_until,
 )
 
-from cdc_relay import schema, store
+from cdc_relay import schema
+from cdc_relay.postgres import store
 
 pytestmark = pytest.mark.integration
 
@@ -790,7 +791,7 @@ def test_a_claim_reads_a_batch_not_the_backlog_however_stale_the_statistics(
     planner's choice when it believes few rows are unprocessed) would cost more the further
     behind the poller is, and a poller at a steady rate would fall further behind with every
     claim. Both steps of the claim must walk the queue in seq order and stop at the batch."""
-    from cdc_relay.store import resolve
+    from cdc_relay.postgres.store import resolve
 
     with psycopg.connect(poller_db, autocommit=True, row_factory=dict_row) as conn:
         conn.execute("ALTER TABLE outbox_events SET (autovacuum_enabled = off)")

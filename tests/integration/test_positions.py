@@ -26,11 +26,11 @@ from relaytools import (
     writers_only,
 )
 
-from cdc_relay import pgoutput
 from cdc_relay.events import Begin, LogicalMessage
-from cdc_relay.exactly_once import MESSAGE, read_checkpoint
+from cdc_relay.kafka.exactly_once import MESSAGE, read_checkpoint
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.replication import ReplicationConnection, XLogData
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.replication import ReplicationConnection, XLogData
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """``cdc-relay prune``: old rows go once their events are on Kafka, and never before.
 
 With ``--slot`` (an outbox ``stream`` relays) a row goes once the slot has confirmed its
-transaction, by the rule of cdc_relay/horizon.py; without it (the poller's outbox) once it
+transaction, by the rule of cdc_relay/postgres/horizon.py; without it (the poller's outbox) once it
 is processed. Against the real PostgreSQL and Kafka: the relay is killed while prune runs
 every second, and every row deleted must have been on Kafka by then; rows the slot has not
 confirmed, rows of transactions open while prune runs, and rows across a wraparound of the
@@ -41,13 +41,14 @@ from relaytools import (
     wait_until,
 )
 
-from cdc_relay import horizon, schema
+from cdc_relay import schema
 from cdc_relay.devstack.postgres import LocalPostgres, _server_account
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.prune import delete_confirmed
-from cdc_relay.slot import SlotSpec, connect, setup
-from cdc_relay.tables import find_table
+from cdc_relay.ops.prune import delete_confirmed
+from cdc_relay.postgres import horizon
+from cdc_relay.postgres.slot import SlotSpec, connect, setup
+from cdc_relay.postgres.tables import find_table
 
 pytestmark = pytest.mark.integration
 

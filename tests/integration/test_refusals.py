@@ -62,7 +62,7 @@ from relaytools import (
 
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.errors import UsageError
-from cdc_relay.sink import producer_config
+from cdc_relay.kafka.sink import producer_config
 
 pytestmark = pytest.mark.integration
 

@@ -46,7 +46,7 @@ import cdc_relay
 from cdc_relay.devstack import LOOPBACK, DevstackError, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.devstack.postgres import LocalPostgres, find_bindir
-from cdc_relay.replication import ConnectionLost, ReplicationConnection
+from cdc_relay.postgres.replication import ConnectionLost, ReplicationConnection
 
 pytestmark = pytest.mark.integration
 

@@ -28,7 +28,7 @@ from relaytools import (
 
 from cdc_relay import schema
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.shards import Shard
+from cdc_relay.postgres.shards import Shard
 
 pytestmark = pytest.mark.integration
 

@@ -36,10 +36,11 @@ from relaytools import (
     wait_until,
 )
 
-from cdc_relay import failover, metrics, schema
+from cdc_relay import metrics, schema
 from cdc_relay.devstack.postgres import LocalPostgres
+from cdc_relay.postgres import failover
+from cdc_relay.postgres.slot import SlotSpec, setup
 from cdc_relay.queries import QUERIES
-from cdc_relay.slot import SlotSpec, setup
 
 pytestmark = pytest.mark.integration
 

@@ -26,9 +26,9 @@ from relaytools import (
     writers_only,
 )
 
+from cdc_relay.kafka.sink import producer_config
+from cdc_relay.ops.trace import partition_of
 from cdc_relay.outbox import write_event
-from cdc_relay.sink import producer_config
-from cdc_relay.trace import partition_of
 
 pytestmark = pytest.mark.integration
 

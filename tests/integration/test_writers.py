@@ -282,7 +282,8 @@ def test_an_event_reaches_kafka_if_and_only_if_its_transaction_commits(
 
 def test_the_relay_never_imports_sqlalchemy() -> None:
     probe = (
-        "import sys; import cdc_relay.cli, cdc_relay.stream, cdc_relay.poller, "
+        "import sys; import cdc_relay.commands.cli, cdc_relay.relay.stream, "
+        "cdc_relay.relay.poller, "
         "cdc_relay.outbox, cdc_relay.consumer; print('sqlalchemy' in sys.modules)"
     )
     ran = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)

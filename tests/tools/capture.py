@@ -22,10 +22,10 @@ from pathlib import Path
 
 import psycopg
 
-from cdc_relay import pgoutput, wal2json
 from cdc_relay.events import Begin, LogicalMessage
 from cdc_relay.lsn import parse
-from cdc_relay.replication import ReplicationConnection, XLogData
+from cdc_relay.postgres import pgoutput, wal2json
+from cdc_relay.postgres.replication import ReplicationConnection, XLogData
 
 PUBLICATION = "capture_pgoutput"
 

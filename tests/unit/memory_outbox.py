@@ -1,4 +1,4 @@
-"""The poller's outbox in memory (cdc_relay.stages.OutboxStore and Claims): no database.
+"""The poller's outbox in memory (cdc_relay.relay.stages.OutboxStore and Claims): no database.
 
 It keeps the rows as the outbox table does and answers the claim's queries as
 sql/queries.sql says they behave (claim_aggregates, claim, claim_skipped, mark_processed,
@@ -23,9 +23,9 @@ from typing import Any
 
 import psycopg
 
-from cdc_relay.shards import hashtext
-from cdc_relay.store import Outbox, OutboxRow
-from cdc_relay.tables import OutboxTable
+from cdc_relay.postgres.shards import hashtext
+from cdc_relay.postgres.store import Outbox, OutboxRow
+from cdc_relay.postgres.tables import OutboxTable
 
 JSONB_OID = 3802
 

@@ -1,4 +1,4 @@
-"""pgoutput's wire format, written: the inverse of cdc_relay.pgoutput, for tests that need
+"""pgoutput's wire format, written: the inverse of cdc_relay.postgres.pgoutput, for tests that need
 messages PostgreSQL would send but no capture holds (test_simulation's WAL shapes,
 test_decoder_properties' round trips).
 

@@ -44,8 +44,8 @@ from simulation import (
 )
 from test_stream_loop import DEAD, event_id
 
-from cdc_relay.poller import PollRelay, PollSettings, Worker
-from cdc_relay.routing import Message
+from cdc_relay.kafka.routing import Message
+from cdc_relay.relay.poller import PollRelay, PollSettings, Worker
 
 
 @dataclass(frozen=True)

@@ -51,24 +51,24 @@ from test_stream_loop import DEAD, Connection, Letters, Sink, Wal, event_id
 from test_stream_loop_cut import Rows
 from test_stream_loop_eos import Kafka, Transactions
 
-from cdc_relay import pgoutput
 from cdc_relay.errors import DeliveryError
 from cdc_relay.events import Insert, LogicalMessage, Relation, jsonb_text
-from cdc_relay.exactly_once import (
+from cdc_relay.kafka.exactly_once import (
     Checkpoint,
     ExactlyOnce,
     TransactionAborted,
     _fenced_error,
 )
+from cdc_relay.kafka.routing import Message
 from cdc_relay.lsn import Lsn, format_lsn
-from cdc_relay.messages import Messages
-from cdc_relay.pipeline import Rewind
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.messages import Messages
+from cdc_relay.postgres.replication import ConnectionLost, Keepalive, XLogData
+from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut, every_shard
+from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
-from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
-from cdc_relay.routing import Message
-from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut, every_shard
-from cdc_relay.stream import StreamRelay, StreamSettings
-from cdc_relay.tables import OutboxTable
+from cdc_relay.relay.pipeline import Rewind
+from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
 # Defects the simulation finds that are not fixed yet: a process that meets one ends there
 # (as a crash would), so that the search goes on past it; each has its own test, expected to

@@ -5,8 +5,8 @@ from datetime import timedelta
 import click
 import pytest
 
-from cdc_relay.cli import _age
-from cdc_relay.poller import backoff
+from cdc_relay.commands.cli import _age
+from cdc_relay.relay.poller import backoff
 
 
 def test_backoff_doubles_with_each_attempt_up_to_the_cap() -> None:

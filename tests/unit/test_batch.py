@@ -1,6 +1,6 @@
 """A poll worker's batch on the in-memory sink of test_stream_loop: no database, no broker.
 
-What it proves is the per-batch refusal policy (cdc_relay.batch): order per aggregate,
+What it proves is the per-batch refusal policy (cdc_relay.relay.batch): order per aggregate,
 and which failures are a row's own (the culprit, which may become a dead letter) and which
 only make it a suspect (refused among others, tried again alone). The integration suite
 proves the same against Kafka (tests/integration/test_refusals.py).
@@ -13,10 +13,10 @@ from typing import Any
 from confluent_kafka import KafkaError
 from test_stream_loop import Sink, event_id
 
-from cdc_relay.batch import Batch, open_batch
-from cdc_relay.poller import PollSettings
-from cdc_relay.routing import Message
-from cdc_relay.store import OutboxRow
+from cdc_relay.kafka.routing import Message
+from cdc_relay.postgres.store import OutboxRow
+from cdc_relay.relay.batch import Batch, open_batch
+from cdc_relay.relay.poller import PollSettings
 
 SETTINGS = PollSettings(
     dsn="test", kafka_config={}, topic_template="outbox.{aggregate_type}", table="outbox"

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from capture import messages
 
-from cdc_relay import pgoutput
 from cdc_relay.events import Begin, Insert, Relation, RowMapper, SchemaError, bytea_from_text
-from cdc_relay.wal2json import Wal2JsonDecoder
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.wal2json import Wal2JsonDecoder
 
 STORED = {
     "hex output": b"\x0a\x0b\x0c\x00\xff",

@@ -10,8 +10,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cdc_relay import cli as cli_module
-from cdc_relay.cli import Seconds, _age, cli
+from cdc_relay.commands import cli as cli_module
+from cdc_relay.commands.cli import Seconds, _age, cli
 from cdc_relay.errors import UsageError
 
 # Enough for each command to get past its required options if a bad value slipped through.

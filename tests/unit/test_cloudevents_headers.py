@@ -13,17 +13,17 @@ from hypothesis import strategies as st
 from test_routing import captured_event
 from test_wal2json import outbox_events, records
 
-from cdc_relay.cli import cli
-from cdc_relay.cloudevents import (
+from cdc_relay.commands.cli import cli
+from cdc_relay.errors import UsageError
+from cdc_relay.events import Column, Relation, RowMapper, SchemaError
+from cdc_relay.kafka.cloudevents import (
     CloudEvents,
     check_source,
     configure,
     default_source,
     rfc3339,
 )
-from cdc_relay.errors import UsageError
-from cdc_relay.events import Column, Relation, RowMapper, SchemaError
-from cdc_relay.routing import Router
+from cdc_relay.kafka.routing import Router
 
 SOURCE = "/cdc-relay/shop/public.outbox_events"
 CE = CloudEvents(SOURCE)

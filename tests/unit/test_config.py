@@ -6,8 +6,8 @@ import pytest
 
 from cdc_relay.config import checked_dsn, env, hide_passwords, kafka_settings
 from cdc_relay.errors import UsageError
+from cdc_relay.kafka.sink import producer_config
 from cdc_relay.lsn import format_lsn, parse
-from cdc_relay.sink import producer_config
 
 
 def test_lsn_round_trip() -> None:

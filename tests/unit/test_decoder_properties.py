@@ -21,7 +21,6 @@ from capture import messages
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cdc_relay import pgoutput
 from cdc_relay.errors import DecodeError
 from cdc_relay.events import (
     BYTEA_OID,
@@ -39,7 +38,8 @@ from cdc_relay.events import (
     jsonb_text,
 )
 from cdc_relay.lsn import format_lsn
-from cdc_relay.wal2json import Wal2JsonDecoder
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.wal2json import Wal2JsonDecoder
 
 settings.register_profile(
     "unit",

@@ -5,7 +5,6 @@ import json
 import pytest
 from capture import pgoutput_messages
 
-from cdc_relay import pgoutput
 from cdc_relay.errors import UsageError
 from cdc_relay.events import (
     Begin,
@@ -19,6 +18,7 @@ from cdc_relay.events import (
     envelope_event,
     jsonb_text,
 )
+from cdc_relay.postgres import pgoutput
 
 DEBEZIUM_COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "tenant")
 BEGIN = Begin(final_lsn=100, commit_time_us=1, xid=7)

@@ -10,7 +10,7 @@ from typing import cast
 import pytest
 
 from cdc_relay.errors import UsageError
-from cdc_relay.exactly_once import (
+from cdc_relay.kafka.exactly_once import (
     MESSAGE,
     Checkpoint,
     Committer,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from psycopg.conninfo import conninfo_to_dict
 
-from cdc_relay.failover import hosts, slot_gone
+from cdc_relay.postgres.failover import hosts, slot_gone
 
 
 def test_each_host_of_a_multi_host_dsn_alone_without_target_session_attrs() -> None:

@@ -1,4 +1,4 @@
-"""The pure parts of cdc_relay/lineage.py: what counts as a change of a publication between
+"""The pure parts of cdc_relay/postgres/lineage.py: what counts as a change of a publication between
 two looks, and which moment the watcher records with the slot's position."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from cdc_relay import lineage, schema
+from cdc_relay import schema
+from cdc_relay.postgres import lineage
 
 
 def _seen(*identity: int | None, table: str = "public.outbox_events") -> dict[str, Any]:

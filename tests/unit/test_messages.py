@@ -1,5 +1,6 @@
-"""What stream does with a logical decoding message of the outbox prefix without --messages
-(cdc_relay/messages.py), and the comments a resharding cut is checked against (shards.py)."""
+"""What stream does with a logical decoding message of the outbox prefix without
+--messages (cdc_relay/postgres/messages.py), and the comments a resharding cut is checked
+against (shards.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from prometheus_client import REGISTRY
 
 from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.events import LogicalMessage
-from cdc_relay.messages import Messages, unrelayed
-from cdc_relay.shards import Shard, StartAfterCut, shard_named
+from cdc_relay.postgres.messages import Messages, unrelayed
+from cdc_relay.postgres.shards import Shard, StartAfterCut, shard_named
 
 EVENT_ID = "6f1c9a53-1b7e-4c1e-9a55-7d0c3f0e5b11"
 
@@ -53,7 +54,7 @@ def test_ignore_messages_logs_each_with_its_event_id_and_counts_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     before = ignored()
-    with caplog.at_level(logging.WARNING, logger="cdc_relay.messages"):
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.postgres.messages"):
         unrelayed(message(), Messages(ignore=True), None)
     assert ignored() == before + 1
     (record,) = caplog.records

@@ -6,8 +6,8 @@ from __future__ import annotations
 from confluent_kafka import KafkaError
 from prometheus_client import REGISTRY
 
-from cdc_relay.refusals import refusal_error
-from cdc_relay.routing import Message
+from cdc_relay.kafka.refusals import refusal_error
+from cdc_relay.kafka.routing import Message
 
 
 def failed_series() -> set[str]:

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from cdc_relay.outage import Outage
+from cdc_relay.kafka.outage import Outage
 
 
 class Clock:
@@ -20,7 +20,9 @@ class Clock:
 
 
 def _lines(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
-    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "cdc_relay.outage"]
+    return [
+        (r.levelname, r.getMessage()) for r in caplog.records if r.name == "cdc_relay.kafka.outage"
+    ]
 
 
 def test_an_outage_is_one_warning_then_summaries_then_one_line_when_back(

@@ -1,10 +1,10 @@
-"""Which event a sink warns about when Kafka does not answer for it (cdc_relay.overdue)."""
+"""Which event a sink warns about when Kafka does not answer for it (cdc_relay.kafka.overdue)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cdc_relay.overdue import Overdue
+from cdc_relay.kafka.overdue import Overdue
 
 
 class Clock:

@@ -5,7 +5,6 @@ import json
 import pytest
 from capture import pgoutput_messages
 
-from cdc_relay import pgoutput
 from cdc_relay.errors import DecodeError
 from cdc_relay.events import (
     UNCHANGED,
@@ -17,6 +16,7 @@ from cdc_relay.events import (
     Relation,
     RowMapper,
 )
+from cdc_relay.postgres import pgoutput
 
 
 def decode_step(step: str) -> list[object]:

@@ -16,8 +16,8 @@ from capture import DATA, messages
 from pgoutput_encoder import delete, encode, truncate, update
 from test_stream_loop import backlog
 
-from cdc_relay import pgoutput
 from cdc_relay.events import Ignored
+from cdc_relay.postgres import pgoutput
 
 CAPTURES = {
     **{path.stem: messages(path.stem) for path in sorted(DATA.glob("*pgoutput*.jsonl"))},

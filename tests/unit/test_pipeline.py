@@ -1,4 +1,4 @@
-"""``Pipeline`` itself (cdc_relay.pipeline) on in-memory stages: no database, no broker.
+"""``Pipeline`` itself (cdc_relay.relay.pipeline) on in-memory stages: no database, no broker.
 
 The relays' configurations are tested elsewhere (test_stream_loop, test_poll_loop,
 test_batch); these prove the loop's own contract with any stages: events reach the sink in
@@ -20,10 +20,10 @@ from test_stream_loop import Sink, event_id
 
 from cdc_relay.errors import RelayError
 from cdc_relay.events import OutboxEvent
-from cdc_relay.pipeline import Pipeline, Rewind, Stopping
-from cdc_relay.refusals import is_culprit
-from cdc_relay.replication import ConnectionLost
-from cdc_relay.routing import Message, Router
+from cdc_relay.kafka.refusals import is_culprit
+from cdc_relay.kafka.routing import Message, Router
+from cdc_relay.postgres.replication import ConnectionLost
+from cdc_relay.relay.pipeline import Pipeline, Rewind, Stopping
 
 TOO_LARGE = KafkaError.MSG_SIZE_TOO_LARGE  # about the message itself
 TIMED_OUT = KafkaError._MSG_TIMED_OUT  # about the broker, not the message
@@ -286,7 +286,7 @@ def test_before_alone_and_after_alone_run_around_the_lone_offer_in_that_order() 
 
 
 class Feed:
-    """A scripted feed (cdc_relay.stages.Feed): each pump runs the next step of the script."""
+    """A scripted feed (cdc_relay.relay.stages.Feed): each pump runs the next step of the script."""
 
     def __init__(self, stages: Stages, *steps: Callable[[Feed], None]) -> None:
         self.stages = stages

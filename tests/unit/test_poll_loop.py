@@ -27,8 +27,8 @@ from prometheus_client import REGISTRY
 from test_stream_loop import Sink, event_id
 
 from cdc_relay.errors import RelayError
-from cdc_relay.poller import PollRelay, PollSettings
-from cdc_relay.shards import hashtext
+from cdc_relay.postgres.shards import hashtext
+from cdc_relay.relay.poller import PollRelay, PollSettings
 
 WATCHDOG = 10.0  # seconds: a loop that never ends fails its test instead of hanging it
 
@@ -347,7 +347,7 @@ def test_a_read_only_server_is_waited_out(caplog: pytest.LogCaptureFixture) -> N
     ]
     relay = Relay(store)
 
-    with caplog.at_level(logging.WARNING, logger="cdc_relay.poller"):
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.poller"):
         relay.run_until(store.done)
 
     assert relay.error is None
@@ -400,7 +400,7 @@ def test_stopping_with_reports_outstanding_leaves_the_rows_unprocessed(
     relay = Relay(store, shutdown_timeout=0.2)
     relay.setup = lambda sink: setattr(sink, "hold_all", True)  # Kafka never answers
 
-    with caplog.at_level(logging.INFO, logger="cdc_relay.poller"):
+    with caplog.at_level(logging.INFO, logger="cdc_relay.relay.poller"):
         relay.run_until(lambda: bool(relay.sinks) and len(relay.sinks[0].queue) == 4)
 
     assert relay.error is None
@@ -458,7 +458,7 @@ def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
     before = REGISTRY.get_sample_value("outbox_events_out_of_seq_order_total", {"relay": "poll"})
     relay = Relay(store)
 
-    with caplog.at_level(logging.WARNING, logger="cdc_relay.poller"):
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.poller"):
         relay.run_until(store.done)
 
     assert relay.error is None

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from cdc_relay import cli as cli_module
-from cdc_relay.cli import cli
+from cdc_relay.commands import cli as cli_module
+from cdc_relay.commands.cli import cli
 from cdc_relay.errors import UsageError
 
 DSN = ["--dsn", "host=db.invalid", "--kafka-bootstrap", "kafka.invalid:9092"]

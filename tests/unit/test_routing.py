@@ -6,10 +6,10 @@ from dataclasses import replace
 import pytest
 from capture import pgoutput_messages
 
-from cdc_relay import pgoutput
 from cdc_relay.errors import UsageError
 from cdc_relay.events import Begin, Insert, OutboxEvent, Relation, RowMapper, SchemaError
-from cdc_relay.routing import Router, TopicTaken, check_template, fill_table, legal_topic
+from cdc_relay.kafka.routing import Router, TopicTaken, check_template, fill_table, legal_topic
+from cdc_relay.postgres import pgoutput
 
 
 def captured_event() -> OutboxEvent:

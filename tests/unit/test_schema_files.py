@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import cdc_relay
 from cdc_relay import schema
-from cdc_relay.cli import cli
+from cdc_relay.commands.cli import cli
 from cdc_relay.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cdc_relay.errors import UsageError
-from cdc_relay.shards import Cut, Shard, StartAfterCut, every_shard, hashtext
+from cdc_relay.postgres.shards import Cut, Shard, StartAfterCut, every_shard, hashtext
 
 CAPTURED = Path(__file__).parent / "data" / "hashtext.jsonl"
 

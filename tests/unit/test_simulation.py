@@ -56,8 +56,10 @@ from simulation import (
     Write,
 )
 
-from cdc_relay import exactly_once, messages, poller, stream
+from cdc_relay.kafka import exactly_once
 from cdc_relay.lsn import format_lsn
+from cdc_relay.postgres import messages
+from cdc_relay.relay import poller, stream
 
 EXAMPLES = int(os.environ.get("CDC_RELAY_SIMULATION_EXAMPLES", "0"))
 LONG = EXAMPLES > 0

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cdc_relay import failover, metrics
+from cdc_relay import metrics
+from cdc_relay.postgres import failover
 
 
 def test_a_usable_slot_has_nothing_to_say() -> None:

@@ -23,9 +23,6 @@ import pytest
 from capture import pgoutput_messages
 from confluent_kafka import KafkaError
 
-from cdc_relay import pgoutput
-from cdc_relay.checkpoint import Transaction
-from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
 from cdc_relay.errors import DeliveryError, RelayError, SlotInUseError
 from cdc_relay.events import (
     Begin,
@@ -37,11 +34,14 @@ from cdc_relay.events import (
     Relation,
     SchemaError,
 )
+from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters
+from cdc_relay.kafka.routing import Message, Router, TopicTaken
 from cdc_relay.lsn import Lsn
-from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
-from cdc_relay.routing import Message, Router, TopicTaken
-from cdc_relay.stream import Rewinds, StreamRelay, StreamSettings
-from cdc_relay.tables import OutboxTable
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.replication import ConnectionLost, Keepalive, XLogData
+from cdc_relay.postgres.tables import OutboxTable
+from cdc_relay.relay.checkpoint import Transaction
+from cdc_relay.relay.stream import Rewinds, StreamRelay, StreamSettings
 
 BACKLOG = Path(__file__).parents[2] / "bench" / "data" / "pgoutput-backlog.jsonl"
 DEAD = "outbox.dead"  # the dead-letter topic
@@ -182,7 +182,7 @@ def streamed_from(unit: list[tuple[bytes, Record]], start: Lsn) -> bool:
 
 
 class Connection:
-    """One replication connection to the ``Wal`` (cdc_relay.stages.Source)."""
+    """One replication connection to the ``Wal`` (cdc_relay.relay.stages.Source)."""
 
     def __init__(self, wal: Wal) -> None:
         self.wal = wal
@@ -293,7 +293,7 @@ class Connection:
 
 
 class Sink:
-    """In memory (cdc_relay.stages.Sink): holds what it is offered until ``poll`` or
+    """In memory (cdc_relay.relay.stages.Sink): holds what it is offered until ``poll`` or
     ``settle``, then acknowledges each message, or refuses it as the test says."""
 
     def __init__(
@@ -607,7 +607,7 @@ def test_the_stop_line_counts_an_event_kafka_refused_as_the_relay_stopped(
             sink.hold.clear()  # Kafka's answer comes now: a refusal
 
     wal.on_idle = on_idle
-    with caplog.at_level(logging.INFO, logger="cdc_relay.stream"):
+    with caplog.at_level(logging.INFO, logger="cdc_relay.relay.stream"):
         relay.stream(wal.tables)
 
     assert [refused for refused, _, _ in sink.refused] == [last]
@@ -689,7 +689,7 @@ def test_shutdown_confirms_what_was_acknowledged_and_no_more(
     sink.hold.update(last)
     wal.on_idle = lambda: len(sink.acked) == len(wal.event_ids) - 10 and relay.request_stop()
 
-    with caplog.at_level(logging.INFO, logger="cdc_relay.stream"):
+    with caplog.at_level(logging.INFO, logger="cdc_relay.relay.stream"):
         relay.stream(wal.tables)
 
     assert wal.flushed()[-1] == wal.before(last[0]) == wal.units[-2][0]

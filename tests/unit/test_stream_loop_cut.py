@@ -19,12 +19,13 @@ import pytest
 from capture import messages as captured
 from test_stream_loop import Sink, Wal, acked_ids, first_seen, record_id, relay_on
 
-from cdc_relay import messages, stream
 from cdc_relay.events import LogicalMessage
 from cdc_relay.lsn import Lsn, format_lsn
+from cdc_relay.postgres import messages
+from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
 from cdc_relay.queries import QUERIES
-from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
-from cdc_relay.stream import StreamRelay
+from cdc_relay.relay import stream
+from cdc_relay.relay.stream import StreamRelay
 
 SHARD = Shard(0, 1)  # a new shard of a reshard from 2 to 1: every aggregate is its own
 

@@ -22,9 +22,8 @@ import pytest
 from capture import messages
 from test_stream_loop import WATCHDOG, Wal, backlog, event_id
 
-from cdc_relay import stream
 from cdc_relay.events import Begin
-from cdc_relay.exactly_once import (
+from cdc_relay.kafka.exactly_once import (
     MESSAGE,
     TRANSACTION,
     Checkpoint,
@@ -32,12 +31,13 @@ from cdc_relay.exactly_once import (
     TransactionAborted,
     Unit,
 )
+from cdc_relay.kafka.routing import Message
 from cdc_relay.lsn import Lsn
-from cdc_relay.messages import Messages
-from cdc_relay.routing import Message
-from cdc_relay.slot import timeline_of
-from cdc_relay.stages import ReadTimeline
-from cdc_relay.stream import StreamRelay, StreamSettings
+from cdc_relay.postgres.messages import Messages
+from cdc_relay.postgres.slot import timeline_of
+from cdc_relay.relay import stream
+from cdc_relay.relay.stages import ReadTimeline
+from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ class Killed(BaseException):
 
 
 class Kafka:
-    """The broker, as exactly once sees it (cdc_relay.stages.CheckpointStore too)."""
+    """The broker, as exactly once sees it (cdc_relay.relay.stages.CheckpointStore too)."""
 
     def __init__(self) -> None:
         self.visible: list[Message] = []  # what read_committed consumers read
@@ -71,7 +71,7 @@ class Kafka:
 
 
 class Transactions:
-    """One relay's transactional producer (cdc_relay.stages.TransactionalSink): every
+    """One relay's transactional producer (cdc_relay.relay.stages.TransactionalSink): every
     message offered is appended at once, and acknowledged when its transaction commits."""
 
     def __init__(

@@ -19,13 +19,14 @@ import pytest
 from test_stream_loop import BACKLOG, Wal, record_id
 from test_stream_loop_eos import Kafka, Killed, Transactions
 
-from cdc_relay import pgoutput, stream
 from cdc_relay.events import Insert
-from cdc_relay.exactly_once import ExactlyOnce
+from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.lsn import format_lsn
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
-from cdc_relay.stream import StreamRelay, StreamSettings
-from cdc_relay.tables import OutboxTable
+from cdc_relay.relay import stream
+from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
 
 class Rows:

@@ -1,10 +1,10 @@
-"""Kafka's rule on topic names, checked before a topic's first event (cdc_relay.topics)."""
+"""Kafka's rule on topic names, checked before a topic's first event (cdc_relay.kafka.topics)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from cdc_relay.topics import Topics, collides
+from cdc_relay.kafka.topics import Topics, collides
 
 
 def listing(*topics: str) -> tuple[Callable[[], Collection[str] | None], list[int]]:

@@ -5,7 +5,6 @@ from collections.abc import Iterable
 import pytest
 from capture import messages
 
-from cdc_relay import pgoutput
 from cdc_relay.errors import DecodeError
 from cdc_relay.events import (
     Begin,
@@ -17,8 +16,9 @@ from cdc_relay.events import (
     Relation,
     RowMapper,
 )
-from cdc_relay.routing import Router
-from cdc_relay.wal2json import Wal2JsonDecoder, table_filter
+from cdc_relay.kafka.routing import Router
+from cdc_relay.postgres import pgoutput
+from cdc_relay.postgres.wal2json import Wal2JsonDecoder, table_filter
 
 
 def records(plugin: str) -> list[Record]:

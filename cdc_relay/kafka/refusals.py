@@ -3,7 +3,7 @@
 A delivery report's error does not always belong to the message it is reported for. Kafka
 refuses a whole batch when one record in it is too large, invalid for the topic or not
 authorised, and every message of the batch is reported with that error; the gapless
-guarantee (cdc_relay.sink) then fails whatever else the producer held. So a refusal reported
+guarantee (cdc_relay.kafka.sink) then fails whatever else the producer held. So a refusal reported
 for a message among others only makes it a *suspect*: the stream replays from the slot's
 confirmed position and sends each suspect alone. A message refused alone, or refused by the
 client before it was queued, is the *culprit*, and only a culprit is dead-lettered or stops
@@ -20,9 +20,9 @@ from collections.abc import Callable
 from confluent_kafka import KafkaError
 
 from cdc_relay.errors import DeliveryError
+from cdc_relay.kafka.routing import Message
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import count_failed
-from cdc_relay.routing import Message
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ _REMEDIES = {
     "or pass --dead-letter-topic",
     KafkaError.INVALID_RECORD: "the topic refuses this record (a compacted topic needs a key: "
     "give the event an aggregate_id), or pass --dead-letter-topic",
-    # Kafka will not create the topic (cdc_relay.topics): no restart changes that.
+    # Kafka will not create the topic (cdc_relay.kafka.topics): no restart changes that.
     KafkaError.TOPIC_EXCEPTION: "pass --dead-letter-topic to set such events aside, and give "
     "new events a topic Kafka accepts (another aggregate type, or another --topic-template)",
 }

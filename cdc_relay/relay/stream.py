@@ -25,10 +25,7 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError
 
-from cdc_relay import failover, lineage, pgoutput, stages, wal2json
-from cdc_relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.config import RelaySettings
-from cdc_relay.deadletter import DeadLetterRefusals, DeadLetters
 from cdc_relay.errors import (
     DecodeError,
     DeliveryError,
@@ -49,7 +46,8 @@ from cdc_relay.events import (
     RowMapper,
     envelope_event,
 )
-from cdc_relay.exactly_once import (
+from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters
+from cdc_relay.kafka.exactly_once import (
     MESSAGE,
     TRANSACTION,
     Checkpoint,
@@ -61,9 +59,11 @@ from cdc_relay.exactly_once import (
     Unit,
     check_interval,
 )
+from cdc_relay.kafka.refusals import Fate, fate, refusal_error
+from cdc_relay.kafka.routing import Message, Router
+from cdc_relay.kafka.sink import Acked, Refused, kafka_sink
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
-from cdc_relay.messages import Messages, check_writers, genuine_cut, unrelayed
 from cdc_relay.metrics import (
     CONFIRMED_LSN,
     CONNECTED,
@@ -76,14 +76,11 @@ from cdc_relay.metrics import (
     Health,
     observe_slot,
 )
-from cdc_relay.pipeline import Pipeline, Rewind, Stopping
-from cdc_relay.queries import QUERIES
-from cdc_relay.refusals import Fate, fate, refusal_error
-from cdc_relay.replication import ConnectionLost, Keepalive, ReplicationConnection
-from cdc_relay.routing import Message, Router
-from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
-from cdc_relay.sink import Acked, Refused, kafka_sink
-from cdc_relay.slot import (
+from cdc_relay.postgres import failover, lineage, pgoutput, wal2json
+from cdc_relay.postgres.messages import Messages, check_writers, genuine_cut, unrelayed
+from cdc_relay.postgres.replication import ConnectionLost, Keepalive, ReplicationConnection
+from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
+from cdc_relay.postgres.slot import (
     PLUGINS,
     besides_problem,
     check_encoding,
@@ -91,7 +88,14 @@ from cdc_relay.slot import (
     coverage_problem,
     timeline_of,
 )
-from cdc_relay.stages import (
+from cdc_relay.postgres.tables import OutboxTable, find_table
+from cdc_relay.postgres.wal2json import Wal2JsonDecoder
+from cdc_relay.postgres.watch import Watcher
+from cdc_relay.queries import QUERIES
+from cdc_relay.relay import stages
+from cdc_relay.relay.checkpoint import LsnTracker, Transaction
+from cdc_relay.relay.pipeline import Pipeline, Rewind, Stopping
+from cdc_relay.relay.stages import (
     CheckpointStore,
     DeadLetterStore,
     OpenDeadLetters,
@@ -103,9 +107,6 @@ from cdc_relay.stages import (
     Sink,
     Source,
 )
-from cdc_relay.tables import OutboxTable, find_table
-from cdc_relay.wal2json import Wal2JsonDecoder
-from cdc_relay.watch import Watcher
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ Token = tuple[Transaction, str]
 
 
 class Rewinds:
-    """The stream's refusal policy (pipeline.RefusalPolicy; cdc_relay.refusals).
+    """The stream's refusal policy (pipeline.RefusalPolicy; cdc_relay.kafka.refusals).
 
     A refusal among others makes its event a suspect and rewinds the stream: the relay
     replays from the confirmed position (nothing after a refused batch got through: the
@@ -243,7 +244,7 @@ def _tables(tables: Sequence[OutboxTable]) -> str:
 class StreamRelay:
     """Streams one slot to Kafka until stopped; confirms only acknowledged positions.
 
-    The stages are injected (cdc_relay.stages), the real ones by default: ``open_source``
+    The stages are injected (cdc_relay.relay.stages), the real ones by default: ``open_source``
     makes the replication source from the DSN, ``open_sink`` the idempotent sink from the
     relay's report callbacks, ``open_dead_letters`` the store of ``--dead-letter-topic``; with
     exactly once, ``open_transactions`` makes its transactional sink instead of
@@ -1150,7 +1151,7 @@ class StreamRelay:
     def rewind(self) -> None:
         """Kafka refused events: drop what the producer holds (the gapless guarantee let
         nothing after a refused batch through) and replay from the confirmed position,
-        sending each suspect alone (cdc_relay.refusals)."""
+        sending each suspect alone (cdc_relay.kafka.refusals)."""
         rewinds = self.rewinds
         refusals = rewinds.pending
         retry = rewinds.note() or rewinds.pause_next

@@ -17,8 +17,8 @@ import psycopg
 
 from cdc_relay.errors import PreflightError, UsageError
 from cdc_relay.events import OutboxEvent, PayloadKind, SchemaError
-from cdc_relay.slot import connect
-from cdc_relay.tables import find_table
+from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.tables import find_table
 
 SPEC_VERSION = b"1.0"
 

@@ -8,7 +8,7 @@ nothing meanwhile. So the sink asks, before the first event of a topic it has no
 whether Kafka has the topic, and if not, whether Kafka has (or this relay sends to) one
 it collides with. Such an event is refused at once, as the client refuses a message it cannot
 send (sink.KafkaSink.offer), with the topic it collides with; the refusal policy decides the
-rest (cdc_relay.refusals).
+rest (cdc_relay.kafka.refusals).
 
 Kafka's topics are its own record, so the check holds across restarts.
 """

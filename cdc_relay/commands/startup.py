@@ -41,6 +41,6 @@ def stop_requested() -> bool:
 def main() -> None:
     """``cdc-relay``: stops are deferred before the heavy imports."""
     defer_stops()
-    from cdc_relay.cli import main as cli_main  # imported after defer_stops, on purpose
+    from cdc_relay.commands.cli import main as cli_main  # imported after defer_stops, on purpose
 
     cli_main()

@@ -25,8 +25,8 @@ from psycopg.rows import class_row, dict_row
 
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
+from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
-from cdc_relay.tables import OutboxTable, find_table
 
 FENCES = "cdc_relay_handovers"
 """Schema poller's table of handovers to stream, which fence the pollers off a table."""
@@ -383,7 +383,7 @@ def retry_dead_letters(
 
 
 class PgClaims:
-    """One worker's claims on the outbox (cdc_relay.stages.Claims), on its own connection.
+    """One worker's claims on the outbox (cdc_relay.relay.stages.Claims), on its own connection.
 
     The connection is made at the first transaction after start or after ``close``, and takes
     the outbox's advisory lock before its first claim. A database error propagates as
@@ -508,7 +508,7 @@ class PgClaims:
 
 
 class PgStore:
-    """The outbox in PostgreSQL (cdc_relay.stages.OutboxStore): each worker's claims, and the
+    """The outbox in PostgreSQL (cdc_relay.relay.stages.OutboxStore): each worker's claims, and the
     counts the progress line reports."""
 
     def __init__(self, conninfo: str, outbox: Outbox) -> None:

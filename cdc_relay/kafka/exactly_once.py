@@ -36,13 +36,13 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, PreflightError, UsageError
+from cdc_relay.kafka.refusals import is_culprit
+from cdc_relay.kafka.sink import Acked, KafkaSink, Refused
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
-from cdc_relay.refusals import is_culprit
-from cdc_relay.sink import Acked, KafkaSink, Refused
 
 if TYPE_CHECKING:  # stages.py names the Checkpoint of this module in its Protocols
-    from cdc_relay import stages
+    from cdc_relay.relay import stages
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
 
 
 class KafkaCheckpoints:
-    """The checkpoint store (cdc_relay.stages.CheckpointStore) of ``transactional_id``: the
+    """The checkpoint store (cdc_relay.relay.stages.CheckpointStore) of ``transactional_id``: the
     compacted topic its transactions write their checkpoints to."""
 
     def __init__(self, config: Mapping[str, str], topic: str, transactional_id: str) -> None:

@@ -40,8 +40,8 @@ from psycopg.types.json import Jsonb
 from cdc_relay import queries, schema
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import Lsn, format_lsn, parse
+from cdc_relay.postgres.tables import OutboxTable, untrusted_message, untrusted_owner
 from cdc_relay.queries import QUERIES
-from cdc_relay.tables import OutboxTable, untrusted_message, untrusted_owner
 
 log = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@
 The source and its decoding are each relay's own: ``stream`` reads a replication slot
 (stream.py), a ``poll`` worker claims rows (poller.py). Everything from an event on is this
 module's, the same for both: the route, the sink with its back-pressure, each delivery report
-handed to the relay's checkpointer, which of Kafka's refusals is whose (cdc_relay.refusals:
+handed to the relay's checkpointer, which of Kafka's refusals is whose (cdc_relay.kafka.refusals:
 a refusal among others makes a suspect, which is sent alone; the client's refusal, or
 Kafka's of a message alone, is the culprit's own), and the loop around the source: a lost
 connection recovers, a refusal that calls for it rewinds, a stop ends with the graceful stop.
 
-What differs between the relays is which stages they are given (cdc_relay.stages):
+What differs between the relays is which stages they are given (cdc_relay.relay.stages):
 
 - a ``Feed`` (the source, with what it does on a lost connection, a rewind, the stop): the
   slot's stream, or a worker's claims;
@@ -34,10 +34,10 @@ from confluent_kafka import KafkaError
 
 from cdc_relay.errors import RelayError
 from cdc_relay.events import OutboxEvent
-from cdc_relay.refusals import is_culprit
-from cdc_relay.replication import ConnectionLost
-from cdc_relay.routing import Message, Router
-from cdc_relay.stages import Checkpointer, Feed, OpenSink, RefusalPolicy, Sink
+from cdc_relay.kafka.refusals import is_culprit
+from cdc_relay.kafka.routing import Message, Router
+from cdc_relay.postgres.replication import ConnectionLost
+from cdc_relay.relay.stages import Checkpointer, Feed, OpenSink, RefusalPolicy, Sink
 
 WAIT = 0.05  # seconds of each wait for delivery reports, between looks at the source and the stop
 

@@ -22,19 +22,19 @@ import psycopg
 from confluent_kafka import KafkaError
 from psycopg.rows import dict_row
 
-from cdc_relay import store
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
+from cdc_relay.kafka.refusals import header, is_culprit, log_refusal
+from cdc_relay.kafka.routing import Message, TopicTaken
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import count_failed
+from cdc_relay.postgres import store
+from cdc_relay.postgres.replication import ConnectionLost
+from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.store import refused, resolve
 from cdc_relay.queries import QUERIES
-from cdc_relay.refusals import header, is_culprit, log_refusal
-from cdc_relay.replication import ConnectionLost
-from cdc_relay.routing import Message, TopicTaken
-from cdc_relay.slot import connect
-from cdc_relay.store import refused, resolve
 
 if TYPE_CHECKING:  # the stages name this module's store
-    from cdc_relay.stages import DeadLetterStore, RefusalPolicy
+    from cdc_relay.relay.stages import DeadLetterStore, RefusalPolicy
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ from confluent_kafka import (
 )
 from psycopg import sql
 
-from cdc_relay import pgoutput, wal2json
 from cdc_relay.errors import KafkaUnavailableError, PreflightError, UsageError
 from cdc_relay.events import (
     Begin,
@@ -40,11 +39,12 @@ from cdc_relay.events import (
     SchemaError,
     envelope_event,
 )
+from cdc_relay.kafka.routing import fill_table, legal_topic
 from cdc_relay.lsn import format_lsn
+from cdc_relay.postgres import pgoutput, wal2json
+from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
-from cdc_relay.routing import fill_table, legal_topic
-from cdc_relay.slot import connect
-from cdc_relay.tables import OutboxTable, find_table
 
 # -- where librdkafka's murmur2_random puts a key -----------------------------------------------
 

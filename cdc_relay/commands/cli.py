@@ -20,7 +20,8 @@ from typing import Any, TypeVar, cast
 import click
 import setproctitle
 
-from cdc_relay import __version__, cloudevents, failover, logs, schema, startup
+from cdc_relay import __version__, logs, schema
+from cdc_relay.commands import startup
 from cdc_relay.config import (
     DEFAULT_PUBLICATION,
     DEFAULT_SLOT,
@@ -32,28 +33,30 @@ from cdc_relay.config import (
     hide_passwords,
     kafka_settings,
 )
-from cdc_relay.deadletter import dead_letters, retry_dead_letters
 from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.exactly_once import (
+from cdc_relay.kafka import cloudevents
+from cdc_relay.kafka.deadletter import dead_letters, retry_dead_letters
+from cdc_relay.kafka.exactly_once import (
     DEFAULT_CHECKPOINT_TOPIC,
     ExactlyOnce,
     checkpoint_status,
     ensure_topic,
 )
-from cdc_relay.exactly_once import transactional_id as eos_id
-from cdc_relay.handover import handover, republish
+from cdc_relay.kafka.exactly_once import transactional_id as eos_id
+from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template
+from cdc_relay.kafka.sink import producer_config
 from cdc_relay.lsn import format_lsn
-from cdc_relay.messages import DEFAULT_WRITER, Messages, writers_problem
 from cdc_relay.metrics import Health, serve
-from cdc_relay.poller import PollRelay, PollSettings
-from cdc_relay.prune import prune_confirmed, prune_processed
-from cdc_relay.routing import DEFAULT_TOPIC_TEMPLATE, check_template
-from cdc_relay.shards import MAX_SHARDS, Shard, every_shard
-from cdc_relay.sink import producer_config
-from cdc_relay.slot import SlotSpec, connect, drop, reshard, setup, status
-from cdc_relay.stream import StreamRelay, StreamSettings
-from cdc_relay.trace import TraceSettings, summary, trace
+from cdc_relay.ops.handover import handover, republish
+from cdc_relay.ops.prune import prune_confirmed, prune_processed
+from cdc_relay.ops.trace import TraceSettings, summary, trace
+from cdc_relay.postgres import failover
+from cdc_relay.postgres.messages import DEFAULT_WRITER, Messages, writers_problem
+from cdc_relay.postgres.shards import MAX_SHARDS, Shard, every_shard
+from cdc_relay.postgres.slot import SlotSpec, connect, drop, reshard, setup, status
+from cdc_relay.relay.poller import PollRelay, PollSettings
+from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)

@@ -42,8 +42,8 @@ import psycopg
 from psycopg import sql
 
 from cdc_relay.lsn import Lsn, parse
+from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
-from cdc_relay.tables import OutboxTable
 
 _LOOK_EVERY = 0.2  # seconds between looks at the slot while waiting for it
 _ADVANCE_EVERY = 1.0  # seconds between empty transactions while waiting for it

@@ -12,9 +12,9 @@ import string
 import threading
 from dataclasses import dataclass
 
-from cdc_relay.cloudevents import CloudEvents
 from cdc_relay.errors import UsageError
 from cdc_relay.events import HEADERS, OutboxEvent, SchemaError
+from cdc_relay.kafka.cloudevents import CloudEvents
 from cdc_relay.lsn import Lsn
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"

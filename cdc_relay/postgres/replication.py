@@ -18,11 +18,11 @@ import psycopg
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 
-from cdc_relay import failover
 from cdc_relay.errors import PreflightError, RelayError, SlotInUseError
 from cdc_relay.events import PG_EPOCH_OFFSET_US
 from cdc_relay.lsn import Lsn, format_lsn, parse
 from cdc_relay.metrics import observe_slot
+from cdc_relay.postgres import failover
 from cdc_relay.queries import QUERIES
 
 _XLOG_HEADER = struct.Struct("!QQq")  # WAL start, WAL end, server clock

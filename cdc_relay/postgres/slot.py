@@ -15,14 +15,22 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import dict_row
 
-from cdc_relay import failover, horizon, lineage, schema, store
+from cdc_relay import schema
 from cdc_relay.errors import PreflightError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.postgres import failover, horizon, lineage, store
+from cdc_relay.postgres.replication import ReplicationConnection
+from cdc_relay.postgres.shards import (
+    CUT_PREFIX,
+    Cut,
+    Shard,
+    StartAfterCut,
+    every_shard,
+    shard_named,
+)
+from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
-from cdc_relay.replication import ReplicationConnection
-from cdc_relay.shards import CUT_PREFIX, Cut, Shard, StartAfterCut, every_shard, shard_named
-from cdc_relay.tables import OutboxTable, find_table
 
 log = logging.getLogger(__name__)
 

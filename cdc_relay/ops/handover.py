@@ -23,14 +23,11 @@ import psycopg
 from psycopg import sql
 from psycopg.rows import RowFactory, RowMaker, class_row
 
-from cdc_relay import lineage
-from cdc_relay.batch import Batch, open_batch
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.poller import PollSettings, out_of_seq_order
-from cdc_relay.queries import QUERIES
-from cdc_relay.slot import SlotSpec, connect, exported_snapshot, setup
-from cdc_relay.store import (
+from cdc_relay.postgres import lineage
+from cdc_relay.postgres.slot import SlotSpec, connect, exported_snapshot, setup
+from cdc_relay.postgres.store import (
     FENCES,
     Outbox,
     OutboxRow,
@@ -41,7 +38,10 @@ from cdc_relay.store import (
     published_after,
     resolve,
 )
-from cdc_relay.tables import untrusted_message, untrusted_owner
+from cdc_relay.postgres.tables import untrusted_message, untrusted_owner
+from cdc_relay.queries import QUERIES
+from cdc_relay.relay.batch import Batch, open_batch
+from cdc_relay.relay.poller import PollSettings, out_of_seq_order
 
 
 @dataclass

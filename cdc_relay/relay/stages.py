@@ -27,12 +27,12 @@ import psycopg
 from confluent_kafka import KafkaError
 
 from cdc_relay.errors import RelayError
-from cdc_relay.exactly_once import Checkpoint
+from cdc_relay.kafka.exactly_once import Checkpoint
+from cdc_relay.kafka.routing import Message
+from cdc_relay.kafka.sink import Acked, Refused
 from cdc_relay.lsn import Lsn
-from cdc_relay.replication import ConnectionLost, Keepalive, XLogData
-from cdc_relay.routing import Message
-from cdc_relay.sink import Acked, Refused
-from cdc_relay.store import Outbox, OutboxRow
+from cdc_relay.postgres.replication import ConnectionLost, Keepalive, XLogData
+from cdc_relay.postgres.store import Outbox, OutboxRow
 
 
 class Feed(Protocol):
@@ -67,7 +67,7 @@ class Checkpointer(Protocol):
 
 
 class RefusalPolicy(Protocol):
-    """What the loop does with what Kafka refuses; cdc_relay.refusals says which refusal is
+    """What the loop does with what Kafka refuses; cdc_relay.kafka.refusals says which refusal is
     whose. The stream rewinds to its confirmed position; a poll worker marks the row for a
     later try and holds its aggregate back."""
 
@@ -112,7 +112,7 @@ class Source(Protocol):
 
 class Sink(Protocol):
     """Produces routed messages; reports each with the caller's token to the ``on_ack`` and
-    ``on_refused`` it was made with (cdc_relay.sink.KafkaSink says when)."""
+    ``on_refused`` it was made with (cdc_relay.kafka.sink.KafkaSink says when)."""
 
     @property
     def connected(self) -> bool:
@@ -146,7 +146,7 @@ class Sink(Protocol):
 
 class TransactionalSink(Sink, Protocol):
     """A sink whose messages count as acknowledged when the Kafka transaction holding them
-    commits, with the checkpoint of how far they reach (cdc_relay.exactly_once says how);
+    commits, with the checkpoint of how far they reach (cdc_relay.kafka.exactly_once says how);
     ``renew`` aborts the open transaction, whose messages are then reported refused or
     forgotten, never acknowledged."""
 
@@ -178,7 +178,7 @@ class CheckpointStore(Protocol):
 
 
 class DeadLetterStore(Protocol):
-    """Where the stream's culprit goes with ``--dead-letter-topic`` (cdc_relay.deadletter)."""
+    """Where the stream's culprit goes with ``--dead-letter-topic`` (cdc_relay.kafka.deadletter)."""
 
     @property
     def topic(self) -> str:
@@ -252,7 +252,7 @@ class Claims(Protocol):
 
 
 class OutboxStore(Protocol):
-    """The outbox table of ``poll`` (cdc_relay.store.PgStore)."""
+    """The outbox table of ``poll`` (cdc_relay.postgres.store.PgStore)."""
 
     @property
     def outbox(self) -> Outbox:

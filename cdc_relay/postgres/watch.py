@@ -18,13 +18,13 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from cdc_relay import lineage
 from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
+from cdc_relay.postgres import lineage
+from cdc_relay.postgres.shards import Shard
+from cdc_relay.postgres.slot import besides_problem, coverage_problem, inheritors_problem
+from cdc_relay.postgres.tables import OutboxTable, table_by_oid
 from cdc_relay.queries import QUERIES
-from cdc_relay.shards import Shard
-from cdc_relay.slot import besides_problem, coverage_problem, inheritors_problem
-from cdc_relay.tables import OutboxTable, table_by_oid
 
 log = logging.getLogger(__name__)
 

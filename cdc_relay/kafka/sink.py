@@ -18,10 +18,10 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
-from cdc_relay.outage import KAFKA
-from cdc_relay.overdue import Overdue
-from cdc_relay.routing import Message
-from cdc_relay.topics import Topics, collides
+from cdc_relay.kafka.outage import KAFKA
+from cdc_relay.kafka.overdue import Overdue
+from cdc_relay.kafka.routing import Message
+from cdc_relay.kafka.topics import Topics, collides
 
 log = logging.getLogger(__name__)
 # librdkafka's own lines, through our handlers instead of raw stderr
@@ -122,7 +122,7 @@ def kafka_sink(
 
 
 def _collision(topic: str, other: str) -> KafkaError:
-    """The refusal of an event for ``topic``, which Kafka will not create (cdc_relay.topics):
+    """The refusal of an event for ``topic``, which Kafka will not create (cdc_relay.kafka.topics):
     the broker's own answer to the creation, INVALID_TOPIC_EXCEPTION, with its reason."""
     return KafkaError(
         KafkaError.TOPIC_EXCEPTION,
@@ -141,14 +141,14 @@ class KafkaSink:
     client refuses the message itself; later, from ``poll``, when the broker refused it or
     the batch it was in).
 
-    What a refusal means is the caller's to decide (cdc_relay.refusals). After a refused
+    What a refusal means is the caller's to decide (cdc_relay.kafka.refusals). After a refused
     batch the producer stops (the gapless guarantee) and fails what it still holds; the next
     ``offer`` once nothing is outstanding starts a new producer.
 
     Before the first event of a topic, ``topics`` (shared by the sinks of one relay) checks
-    that Kafka can have it (cdc_relay.topics); an event Kafka has not answered for in
+    that Kafka can have it (cdc_relay.kafka.topics); an event Kafka has not answered for in
     ``overdue.OVERDUE`` seconds is named in a warning, with the reason if its topic's
-    metadata tells it (cdc_relay.overdue).
+    metadata tells it (cdc_relay.kafka.overdue).
     """
 
     def __init__(
@@ -252,7 +252,7 @@ class KafkaSink:
 
         A message the client refuses (larger than message.max.bytes, ...) is reported to
         ``on_refused`` before this returns True; so is one whose topic Kafka cannot create
-        (cdc_relay.topics).
+        (cdc_relay.kafka.topics).
         """
         if self.broken and not len(self._producer):
             self.renew()
@@ -410,7 +410,7 @@ class KafkaSink:
         return left
 
     def _watched_report(self, token: Any, err: KafkaError | None, message: Any) -> None:
-        """The report of a topic's watched message (cdc_relay.overdue)."""
+        """The report of a topic's watched message (cdc_relay.kafka.overdue)."""
         topic = message.topic()
         self._overdue.answered(topic)
         if err is not None and err.code() in _UNKNOWN_TOPIC:

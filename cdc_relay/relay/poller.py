@@ -19,7 +19,7 @@ Each worker is the pipeline (pipeline.py) configured for claims: the worker is t
 checkpointer and the refusal policy (batch.py: a refused row is marked for a later try and
 its aggregate held back, where ``stream`` rewinds).
 
-The stages are injected (cdc_relay.stages), the real ones by default: the outbox store
+The stages are injected (cdc_relay.relay.stages), the real ones by default: the outbox store
 (store.py: every query on the table, a worker's claims and marks) and the sink (sink.py).
 ``poll`` runs the workers on them alone, for the loop's unit tests
 (tests/unit/test_poll_loop.py). Beside it: deadletter.py lists and retries the rows given up
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from cdc_relay.batch import open_batch, poll_router
 from cdc_relay.config import RelaySettings
+from cdc_relay.kafka.sink import kafka_sink
 from cdc_relay.metrics import (
     BATCH_DURATION,
     CONNECTED,
@@ -51,13 +51,9 @@ from cdc_relay.metrics import (
     Health,
     count_failed,
 )
-from cdc_relay.pipeline import WAIT
-from cdc_relay.queries import QUERIES
-from cdc_relay.replication import ConnectionLost
-from cdc_relay.sink import kafka_sink
-from cdc_relay.slot import connect
-from cdc_relay.stages import Claims, OpenSink, OpenStore, OutboxStore
-from cdc_relay.store import (
+from cdc_relay.postgres.replication import ConnectionLost
+from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.store import (
     READ_ONLY,
     REFUSED,
     Outbox,
@@ -72,6 +68,10 @@ from cdc_relay.store import (
     resolve,
     take_poll_lock,
 )
+from cdc_relay.queries import QUERIES
+from cdc_relay.relay.batch import open_batch, poll_router
+from cdc_relay.relay.pipeline import WAIT
+from cdc_relay.relay.stages import Claims, OpenSink, OpenStore, OutboxStore
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +412,7 @@ def out_of_seq_order(row: OutboxRow, after: int, relay: str) -> None:
 class PollRelay:
     """Runs the workers and the listener until stopped; raises what stopped a worker.
 
-    The stages are injected (cdc_relay.stages), the real ones by default: ``open_store``
+    The stages are injected (cdc_relay.relay.stages), the real ones by default: ``open_store``
     makes the outbox store (each worker's claims, the progress counts) from the connection
     string and the table, ``open_sink`` each worker's sink from its publisher's report
     callbacks.

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from cdc_relay.outage import SUMMARY_INTERVAL
+from cdc_relay.kafka.outage import SUMMARY_INTERVAL
 
 OVERDUE = 5.0  # seconds an event may wait for Kafka's answer before the log names it
 

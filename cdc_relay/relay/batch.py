@@ -11,7 +11,7 @@ claim, which waits for the failed row). A row that failed before is sent alone: 
 refuses a whole request for one oversized message, so a poison row must not share one with
 healthy rows twice, and its fate is known before its aggregate's next row goes.
 
-A failure is the row's ``own`` (cdc_relay.refusals: the culprit) when the client refused
+A failure is the row's ``own`` (cdc_relay.kafka.refusals: the culprit) when the client refused
 it, the router could not route it, or Kafka refused it sent alone; a row refused among
 others is only a suspect, and is never made a dead letter for it (poller.Worker).
 """
@@ -24,11 +24,11 @@ from confluent_kafka import KafkaError
 
 from cdc_relay.config import RelaySettings
 from cdc_relay.errors import RelayError
-from cdc_relay.pipeline import WAIT, Pipeline, Stopping
-from cdc_relay.routing import Message, Router
-from cdc_relay.sink import kafka_sink
-from cdc_relay.stages import OpenSink
-from cdc_relay.store import OutboxRow
+from cdc_relay.kafka.routing import Message, Router
+from cdc_relay.kafka.sink import kafka_sink
+from cdc_relay.postgres.store import OutboxRow
+from cdc_relay.relay.pipeline import WAIT, Pipeline, Stopping
+from cdc_relay.relay.stages import OpenSink
 
 # A token of the sink: the batch it belongs to, and the row's index in it. A report of an
 # earlier batch, or of a producer dropped since (``_renew``), is stale and ignored.
@@ -93,7 +93,7 @@ class Batch:
             return False
         return True
 
-    # -- the checkpointer and the refusal policy (cdc_relay.stages) ---------------------------
+    # -- the checkpointer and the refusal policy (cdc_relay.relay.stages) -----------------------
 
     def acked(self, token: Token) -> None:
         batch, index = token
