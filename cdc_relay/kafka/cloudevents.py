@@ -17,7 +17,7 @@ import psycopg
 
 from cdc_relay.errors import PreflightError, UsageError
 from cdc_relay.events import OutboxEvent, PayloadKind, SchemaError
-from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.tables import find_table
 
 SPEC_VERSION = b"1.0"

@@ -28,8 +28,8 @@ from cdc_relay.kafka.routing import Message, TopicTaken
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import count_failed
 from cdc_relay.postgres import store
+from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.replication import ConnectionLost
-from cdc_relay.postgres.slot import connect
 from cdc_relay.postgres.store import refused, resolve
 from cdc_relay.queries import QUERIES
 

@@ -26,7 +26,8 @@ from psycopg.rows import RowFactory, RowMaker, class_row
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.postgres import lineage
-from cdc_relay.postgres.slot import SlotSpec, connect, exported_snapshot, setup
+from cdc_relay.postgres.connection import connect
+from cdc_relay.postgres.slot import SlotSpec, exported_snapshot, setup
 from cdc_relay.postgres.store import (
     FENCES,
     Outbox,

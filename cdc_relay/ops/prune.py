@@ -20,7 +20,8 @@ from psycopg import sql
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.postgres import horizon, lineage
-from cdc_relay.postgres.slot import connect, relay_problem, slot_problem
+from cdc_relay.postgres.connection import connect
+from cdc_relay.postgres.slot import relay_problem, slot_problem
 from cdc_relay.postgres.store import Outbox, refused, resolve
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES

@@ -42,7 +42,7 @@ from cdc_relay.events import (
 from cdc_relay.kafka.routing import fill_table, legal_topic
 from cdc_relay.lsn import format_lsn
 from cdc_relay.postgres import pgoutput, wal2json
-from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
 

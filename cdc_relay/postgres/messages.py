@@ -30,9 +30,9 @@ from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import LogicalMessage, SchemaError, envelope_event
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import MESSAGES_IGNORED
+from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.replication import ConnectionLost
 from cdc_relay.postgres.shards import Cut, Shard, StartAfterCut
-from cdc_relay.postgres.slot import connect
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
 

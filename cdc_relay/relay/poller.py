@@ -51,8 +51,8 @@ from cdc_relay.metrics import (
     Health,
     count_failed,
 )
+from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.replication import ConnectionLost
-from cdc_relay.postgres.slot import connect
 from cdc_relay.postgres.store import (
     READ_ONLY,
     REFUSED,

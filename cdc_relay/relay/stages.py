@@ -273,7 +273,7 @@ OpenSink = Callable[[Acked, Refused], Sink]
 OpenDeadLetters = Callable[[str, str, str], DeadLetterStore]
 OpenTransactions = Callable[[Acked, Refused], TransactionalSink]
 # What exactly once asks the server on reconnecting, from the DSN and the slot: its timeline
-# and the slot's confirmed position there (None: no such slot); slot.timeline_of.
+# and the slot's confirmed position there (None: no such slot); connection.timeline_of.
 ReadTimeline = Callable[[str, str], tuple[int, Lsn | None]]
 # What ``PollRelay`` takes: the store of the outbox from the connection string and the table.
 OpenStore = Callable[[str, Outbox], OutboxStore]

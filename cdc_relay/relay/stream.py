@@ -77,17 +77,11 @@ from cdc_relay.metrics import (
     observe_slot,
 )
 from cdc_relay.postgres import failover, lineage, pgoutput, wal2json
+from cdc_relay.postgres.connection import check_encoding, connect, timeline_of
 from cdc_relay.postgres.messages import Messages, check_writers, genuine_cut, unrelayed
 from cdc_relay.postgres.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
-from cdc_relay.postgres.slot import (
-    PLUGINS,
-    besides_problem,
-    check_encoding,
-    connect,
-    coverage_problem,
-    timeline_of,
-)
+from cdc_relay.postgres.slot import PLUGINS, besides_problem, coverage_problem
 from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.postgres.wal2json import Wal2JsonDecoder
 from cdc_relay.postgres.watch import Watcher

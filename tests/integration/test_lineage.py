@@ -21,7 +21,7 @@ from cdc_relay import schema
 from cdc_relay.lsn import format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.postgres import lineage
-from cdc_relay.postgres.slot import connect
+from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.tables import find_table
 from cdc_relay.postgres.watch import Watcher
 

@@ -47,7 +47,8 @@ from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.ops.prune import delete_confirmed
 from cdc_relay.postgres import horizon
-from cdc_relay.postgres.slot import SlotSpec, connect, setup
+from cdc_relay.postgres.connection import connect
+from cdc_relay.postgres.slot import SlotSpec, setup
 from cdc_relay.postgres.tables import find_table
 
 pytestmark = pytest.mark.integration

@@ -33,8 +33,8 @@ from cdc_relay.kafka.exactly_once import (
 )
 from cdc_relay.kafka.routing import Message
 from cdc_relay.lsn import Lsn
+from cdc_relay.postgres.connection import timeline_of
 from cdc_relay.postgres.messages import Messages
-from cdc_relay.postgres.slot import timeline_of
 from cdc_relay.relay import stream
 from cdc_relay.relay.stages import ReadTimeline
 from cdc_relay.relay.stream import StreamRelay, StreamSettings
