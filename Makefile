@@ -12,7 +12,8 @@ PY     := $(VENV)/bin/python
 install:
 	bash .ci/install
 
-check: lint typecheck
+# The inner loop, in under two minutes: lint, types, the unit tests (two processes).
+check: lint typecheck unit
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -21,8 +22,9 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# Two processes, the tests dealt out one by one: the unit tests share nothing.
 unit: install
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest -n 2 tests/unit
 
 integration: install
 	$(PY) -m pytest tests/integration
@@ -32,8 +34,12 @@ integration: install
 test-deploy: install
 	$(PY) -m pytest -m deploy tests/deploy
 
-test: check
-	$(PY) -m pytest tests
+# Every test, in two processes (pytest-xdist), each with its own PostgreSQL and Kafka; a test
+# file stays in one process, so its module's services (a second broker, a TLS one) start once.
+# Much of a relay test is waiting (for a process to start, a broker to answer, a timeout to
+# pass), which the other process fills.
+test: lint typecheck
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 # The fault-injection suite's long version (the short one runs in `make test`): 20 kills of
 # each relay, 30 s outages of the broker and of the network. It prints a table of results at
