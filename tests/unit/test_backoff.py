@@ -5,7 +5,7 @@ from datetime import timedelta
 import click
 import pytest
 
-from cdc_relay.commands.cli import _age
+from cdc_relay.commands import options
 from cdc_relay.relay.poller import backoff
 
 
@@ -46,10 +46,13 @@ def test_backoff_of_a_first_failure_is_the_base() -> None:
     ],
 )
 def test_prune_ages(text: str, age: timedelta) -> None:
-    assert _age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text) == age
+    assert (
+        options.age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text)
+        == age
+    )
 
 
 @pytest.mark.parametrize("text", ["7", "d", "7x", "-1d", "seven days", ""])
 def test_prune_ages_that_are_not(text: str) -> None:
     with pytest.raises(click.BadParameter, match="is not an age"):
-        _age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text)
+        options.age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text)

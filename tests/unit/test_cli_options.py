@@ -10,8 +10,10 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cdc_relay.commands import cli as cli_module
-from cdc_relay.commands.cli import Seconds, _age, cli
+from cdc_relay.commands import options, process_title
+from cdc_relay.commands import stream as stream_command
+from cdc_relay.commands.cli import cli
+from cdc_relay.commands.options import Seconds
 from cdc_relay.errors import UsageError
 
 # Enough for each command to get past its required options if a bad value slipped through.
@@ -94,14 +96,16 @@ def test_seconds_keep_their_range() -> None:
 @pytest.mark.parametrize("text", ["nand", "infd", "-infs", "1e12d", "36526d", "5219w", "nan"])
 def test_prune_ages_must_be_finite_and_at_most_100_years(text: str) -> None:
     with pytest.raises(click.BadParameter, match="is not an age from 0s to 100 years"):
-        _age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text)
+        options.age(click.Context(click.Command("prune")), click.Option(["--older-than"]), text)
     result = CliRunner().invoke(cli, ["prune", "--older-than", text, "--dsn", "host=db.invalid"])
     assert result.exit_code == 2
     assert "is not an age" in result.output
 
 
 def test_prune_ages_up_to_100_years() -> None:
-    age = _age(click.Context(click.Command("prune")), click.Option(["--older-than"]), "36525d")
+    age = options.age(
+        click.Context(click.Command("prune")), click.Option(["--older-than"]), "36525d"
+    )
     assert age == timedelta(days=36525)
 
 
@@ -120,7 +124,7 @@ class FakeTitle:
         self.titles: list[str] = []
         self.works = works
         for name in ("setproctitle", "getproctitle", "setthreadtitle", "getthreadtitle"):
-            monkeypatch.setattr(cli_module.setproctitle, name, getattr(self, name))
+            monkeypatch.setattr(process_title.setproctitle, name, getattr(self, name))
 
     def setproctitle(self, title: str) -> None:
         self.titles.append(title)
@@ -140,14 +144,14 @@ def test_a_password_in_the_dsn_is_hidden_from_the_process_title(
 ) -> None:
     title = FakeTitle(monkeypatch)
     argv = ["python", "-m", "cdc_relay", "stream", "--dsn", "host=db password=hunter2"]
-    cli_module.hide_passwords_from_the_process_list(argv)
+    process_title.hide_passwords_from_the_process_list(argv)
     assert title.titles == ["python -m cdc_relay stream --dsn password=*** host=db"]
     (warning,) = capsys.readouterr().err.splitlines()
     assert warning.startswith("cdc-relay: warning: a password in --dsn")
     assert "until start-up hid it" in warning
     assert "PGPASSWORD, a .pgpass file, or CDC_RELAY_DSN" in warning
 
-    cli_module.hide_passwords_from_the_process_list(["cdc-relay", "stream", "--dsn", "host=db"])
+    process_title.hide_passwords_from_the_process_list(["cdc-relay", "stream", "--dsn", "host=db"])
     assert len(title.titles) == 1  # no password: the title is left alone
     assert capsys.readouterr().err == ""
 
@@ -157,7 +161,7 @@ def test_the_warning_does_not_claim_a_title_it_could_not_set(
 ) -> None:
     FakeTitle(monkeypatch, works=False)
     argv = ["cdc-relay", "poll", "--kafka-config", "sasl.password=hunter2"]
-    cli_module.hide_passwords_from_the_process_list(argv)
+    process_title.hide_passwords_from_the_process_list(argv)
     (warning,) = capsys.readouterr().err.splitlines()
     assert "--kafka-config could be read in the process list all along" in warning
     assert "CDC_RELAY_KAFKA_SASL_PASSWORD" in warning
@@ -175,7 +179,7 @@ def test_a_command_of_one_table_refuses_several(
 
 
 def test_a_quoted_table_name_may_hold_a_space() -> None:
-    assert cli_module._one_table(None, None, '"my schema"."outbox events"') == (  # type: ignore[arg-type]
+    assert options._one_table(None, None, '"my schema"."outbox events"') == (  # type: ignore[arg-type]
         '"my schema"."outbox events"'
     )
 
@@ -189,8 +193,8 @@ def test_stream_and_setup_slot_take_several_tables_from_the_variable(
     def fake(settings: object, *args: object) -> None:
         seen["tables"] = settings.tables  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(cli_module, "StreamRelay", lambda settings, health: fake(settings))
-    monkeypatch.setattr(cli_module, "run_relay", lambda relay: None)
+    monkeypatch.setattr(stream_command, "StreamRelay", lambda settings, health: fake(settings))
+    monkeypatch.setattr(stream_command, "run_relay", lambda relay: None)
     result = CliRunner().invoke(cli, ["stream", *REQUIRED])
     assert result.exit_code == 0, result.output
     assert seen["tables"] == ("tenant_a.outbox_events", "tenant_b.outbox_events")

@@ -29,6 +29,8 @@ MODULES = {_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _layer(module: str) -> int:
+    if module == "cdc_relay.__main__":  # python -m cdc_relay: the command, at the top layer
+        return LAYERS["commands"]
     parts = module.split(".")
     return LAYERS.get(parts[1], 0) if len(parts) > 2 else 0
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from cdc_relay.commands import cli as cli_module
+from cdc_relay.commands import setup_slot
 from cdc_relay.commands.cli import cli
 from cdc_relay.errors import UsageError
 
@@ -35,7 +35,7 @@ def test_an_age_or_a_moment_with_its_zone_reaches_the_republish(
         seen.append((moment, layout.header_columns, layout.aggregate_id))
         raise SystemExit(0)
 
-    monkeypatch.setattr(cli_module, "republish", republish)
+    monkeypatch.setattr(setup_slot, "republish", republish)
     result = CliRunner().invoke(
         cli,
         [

@@ -1,0 +1,251 @@
+"""``cdc-relay setup-slot``: check the database, create the publication and the slot (of every
+shard), or make a lost slot anew, or take over from a poller; it prints what it did."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+import click
+
+from cdc_relay import logs
+from cdc_relay.commands.kafka_options import CHECKPOINT_TOPIC, WireOptions, wire_options
+from cdc_relay.commands.options import (
+    COLUMNS,
+    MESSAGE_WRITERS,
+    SHARDS,
+    env_option,
+    messages_option,
+    several_tables_options,
+    since,
+    slot_specs,
+)
+from cdc_relay.errors import PreflightError, UsageError
+from cdc_relay.events import OutboxLayout
+from cdc_relay.kafka.exactly_once import ensure_topic
+from cdc_relay.ops.handover import handover, republish
+from cdc_relay.postgres import failover
+from cdc_relay.postgres.messages import writers_problem
+from cdc_relay.postgres.slot import setup
+from cdc_relay.relay.poller import PollSettings
+
+
+@click.command("setup-slot")
+@several_tables_options
+@env_option(
+    "--plugin",
+    type=click.Choice(["pgoutput", "wal2json"]),
+    default="pgoutput",
+    show_default=True,
+    help="Logical decoding plugin of the slot.",
+)
+@SHARDS
+@COLUMNS
+@click.option(
+    "--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing."
+)
+@click.option(
+    "--from-poller",
+    is_flag=True,
+    help="Take over from cdc-relay poll (stopped first): create the slot with an exported "
+    "snapshot and publish the rows still unprocessed in it; stream takes the rest.",
+)
+@env_option(
+    "--republish-since",
+    metavar="TIME",
+    callback=since,
+    help="Make a lost slot anew (gone after a promotion, or dropped once invalidated): create "
+    "it with an exported snapshot and first publish, with the Kafka options, every row created "
+    "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
+    "the rest.",
+)
+@click.option(
+    "--accept-gap",
+    is_flag=True,
+    help="Make a slot that existed and is gone anew at the WAL's position now, skipping what "
+    "it had not confirmed (said with the span), or record a publication changed since its relay "
+    "verified it as it is; --republish-since loses nothing instead.",
+)
+@env_option(
+    "--header-column",
+    "header_columns",
+    multiple=True,
+    metavar="COLUMN",
+    help="With --republish-since: send this column as a header, as stream does; repeatable.",
+)
+@env_option(
+    "--create-table",
+    is_flag=True,
+    help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
+    "role of --dsn then owns it. --table must then name an outbox_events table.",
+)
+@click.option(
+    "--failover",
+    "failover_slot",
+    is_flag=True,
+    help="Create a failover slot (PostgreSQL 17+), which standbys keep a copy of, and check "
+    "the settings that needs on every host of --dsn.",
+)
+@env_option(
+    "--exactly-once",
+    is_flag=True,
+    help="For stream --exactly-once: create the checkpoint topic (compacted) if it does not "
+    "exist; needs --kafka-bootstrap.",
+)
+@CHECKPOINT_TOPIC
+@messages_option(
+    "For stream --messages: check that only the writers (--message-writer) may emit logical "
+    "decoding messages, as stream does at start."
+)
+@MESSAGE_WRITERS
+@wire_options(required=False)
+def setup_slot(
+    dsn: str,
+    slot: str,
+    publication: str,
+    tables: tuple[str, ...],
+    plugin: str,
+    shards: int | None,
+    columns: tuple[str, ...],
+    dry_run: bool,
+    from_poller: bool,
+    republish_since: datetime | timedelta | None,
+    accept_gap: bool,
+    header_columns: tuple[str, ...],
+    create_table: bool,
+    failover_slot: bool,
+    exactly_once: bool,
+    checkpoint_topic: str,
+    messages: bool,
+    message_writers: tuple[str, ...],
+    wire: WireOptions,
+) -> None:
+    """Check the database and create the publication and the replication slot.
+
+    Safe to run again: what exists already is reported and left as it is. A slot that
+    existed and is gone is made anew only with --republish-since TIME (the events it had not
+    relayed published first) or --accept-gap (skipped, and said). With
+    --from-poller (and the Kafka options) it is the switch from poll to stream. With
+    --shards N, one slot and publication per shard. With --create-table, a missing outbox
+    table is created first. With --exactly-once, the checkpoint topic too. With --table given
+    more than once, one publication holds every table.
+    """
+    if exactly_once and not wire.kafka_bootstrap:
+        raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
+    if messages and (problem := writers_problem(dsn, message_writers)):
+        raise PreflightError(problem)
+    aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
+    table, *more_tables = tables
+    specs = slot_specs(
+        slot,
+        publication,
+        table,
+        shards,
+        more_tables=tuple(more_tables),
+        plugin=plugin,
+        aggregate_column=aggregate_column,
+        failover=failover_slot,
+    )
+    spec = specs[0]
+
+    def publishing() -> PollSettings:
+        """The settings of a job that publishes rows before it makes the slot."""
+        logs.configure()
+        return PollSettings(**wire.settings(dsn, table, header_columns).shared(), table=table)
+
+    if exactly_once and wire.kafka_bootstrap:
+        # First, whatever the slot's way of being made: the topic does not depend on it.
+        if dry_run:
+            click.echo(f"-- the checkpoint topic {checkpoint_topic}, if it does not exist")
+        elif ensure_topic(wire.producer(), checkpoint_topic, wire.kafka_timeout):
+            click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
+        else:
+            click.echo(f"exists: checkpoint topic {checkpoint_topic}")
+    if header_columns and republish_since is None:
+        raise UsageError(
+            "--header-column is for --republish-since, which publishes what stream would: give "
+            "it there, or leave it out"
+        )
+    if accept_gap and (republish_since is not None or from_poller):
+        raise UsageError(
+            "--accept-gap skips what a lost slot had not relayed, --republish-since and "
+            "--from-poller publish it: give one of them"
+        )
+    if republish_since is not None and more_tables:
+        raise UsageError(
+            "--republish-since publishes the rows of one outbox table again: not available for "
+            "several yet; give --table once (a slot of several tables: see README, Several "
+            "outbox tables on one slot)"
+        )
+    if republish_since is not None:
+        if from_poller or failover_slot or shards is not None or dry_run or create_table:
+            raise UsageError(
+                "--republish-since makes one plain slot for one stream relay: leave out "
+                "--from-poller, --failover, --shards, --dry-run and --create-table (set up "
+                "failover or shards once it is made)"
+            )
+        if not wire.kafka_bootstrap:
+            raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
+        settings = publishing()
+        layout = OutboxLayout.from_options(columns, header_columns)
+        for line in republish(settings, spec, republish_since, layout).lines:
+            click.echo(line)
+        return
+    if from_poller and failover_slot:
+        raise UsageError(
+            "--from-poller creates the slot through the replication protocol: set it up, then "
+            "run setup-slot --failover again, which reports how to make the slot fail over"
+        )
+    if from_poller and more_tables:
+        raise UsageError(
+            "--from-poller takes over from a poller, which relays one outbox table: give "
+            "--table once"
+        )
+    if from_poller and shards is not None:
+        raise UsageError(
+            "--from-poller hands over to one stream relay: set it up without --shards, then "
+            "reshard (cdc-relay reshard --from 1 --to N)"
+        )
+    if from_poller:
+        if dry_run or not wire.kafka_bootstrap:
+            raise UsageError(
+                "--from-poller publishes the rows the poller left: give --kafka-bootstrap "
+                "(and not --dry-run)"
+            )
+        settings = publishing()
+        if create_table:
+            raise UsageError(
+                "--from-poller takes over from a poller, whose outbox table exists: drop "
+                "--create-table"
+            )
+        for line in handover(settings, spec).lines:
+            click.echo(line)
+        return
+    for each in specs:
+        report = setup(
+            dsn,
+            each,
+            dry_run=dry_run,
+            create_table=create_table,
+            gap="accept" if accept_gap else "refuse",
+        )
+        if dry_run:
+            click.echo("-- preflight passed; setup-slot would run:")
+            for statement in report.statements or ["-- nothing: everything exists"]:
+                click.echo(statement)
+        for line in report.existing:
+            click.echo(f"exists: {line}")
+        for line in report.done:
+            click.echo(line)
+    if failover_slot and not dry_run:
+        # with --shards the settings' lines repeat for every slot: shown once
+        findings = list(
+            dict.fromkeys(finding for each in specs for finding in failover.check(dsn, each.slot))
+        )
+        for finding in findings:
+            click.echo(str(finding))
+        missing = sum(finding.level == "missing" for finding in findings)
+        if missing:
+            raise PreflightError(
+                f"the slot would not survive a failover: {missing} setting"
+                f"{'' if missing == 1 else 's'} above missing (each line says what to run)"
+            )
