@@ -13,8 +13,7 @@ if TYPE_CHECKING:
     from cdc_relay.relay.poller import PollRelay
     from cdc_relay.relay.stream import StreamRelay
 
-# The logger this line carried before the commands became a package (JSON logs' "logger").
-log = logging.getLogger("cdc_relay.commands.cli")
+log = logging.getLogger(__name__)
 
 
 def run_relay(relay: StreamRelay | PollRelay) -> None:
