@@ -50,12 +50,14 @@ from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health, serve
 from cdc_relay.ops.handover import handover, republish
 from cdc_relay.ops.prune import prune_confirmed, prune_processed
+from cdc_relay.ops.status import status
 from cdc_relay.ops.trace import TraceSettings, summary, trace
 from cdc_relay.postgres import failover
 from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.messages import DEFAULT_WRITER, Messages, writers_problem
+from cdc_relay.postgres.reshard import reshard
 from cdc_relay.postgres.shards import MAX_SHARDS, Shard, every_shard
-from cdc_relay.postgres.slot import SlotSpec, drop, reshard, setup, status
+from cdc_relay.postgres.slot import SlotSpec, drop, setup
 from cdc_relay.relay.poller import PollRelay, PollSettings
 from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
