@@ -247,7 +247,7 @@ def setup(
 ) -> SetupReport:
     """Idempotently create the publication and (unless ``create_slot`` is False) the slot,
     after preflight; with ``create_table``, the outbox table first when it is missing. A slot
-    that existed and is gone is made anew as ``gap`` says (lineage.py)."""
+    that existed and is gone is made anew as ``gap`` says (gaps.py)."""
     report = SetupReport(done=[], existing=[], statements=[])
     with connect(dsn) as conn, ExitStack() as dry:
         for name in spec.tables if create_table else ():
