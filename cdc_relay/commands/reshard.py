@@ -7,8 +7,9 @@ import click
 from cdc_relay.commands.options import COLUMNS, database_options
 from cdc_relay.errors import UsageError
 from cdc_relay.events import OutboxLayout
+from cdc_relay.postgres.reshard import reshard
 from cdc_relay.postgres.shards import MAX_SHARDS
-from cdc_relay.postgres.slot import SlotSpec, reshard
+from cdc_relay.postgres.slot import SlotSpec
 
 
 @click.command("reshard")

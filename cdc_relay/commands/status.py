@@ -25,8 +25,8 @@ from cdc_relay.errors import UsageError
 from cdc_relay.kafka.exactly_once import ExactlyOnce, checkpoint_status
 from cdc_relay.kafka.exactly_once import transactional_id as eos_id
 from cdc_relay.kafka.sink import producer_config
+from cdc_relay.ops.status import status
 from cdc_relay.postgres.messages import writers_problem
-from cdc_relay.postgres.slot import status
 
 
 @click.command("status")

@@ -19,9 +19,9 @@ from psycopg import sql
 
 from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.lsn import Lsn, format_lsn
-from cdc_relay.postgres import horizon, lineage
+from cdc_relay.postgres import gaps, horizon
 from cdc_relay.postgres.connection import connect
-from cdc_relay.postgres.slot import relay_problem, slot_problem
+from cdc_relay.postgres.coverage import relay_problem, slot_problem
 from cdc_relay.postgres.store import Outbox, refused, resolve
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
@@ -114,7 +114,7 @@ def _check(
     if problem is None and row is not None:
         # The slot is trusted for what it confirmed only if its publication covered the table
         # all along: nothing changed it since its relay verified it (lineage.py).
-        found = lineage.find(conn, slot, str(row["confirmed_flush_lsn"]), [outbox.table])
+        found = gaps.find(conn, slot, str(row["confirmed_flush_lsn"]), [outbox.table])
         problem = found.missing or found.changed
     if problem is not None:
         raise PreflightError(problem)

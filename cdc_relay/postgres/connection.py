@@ -1,5 +1,6 @@
-"""Plain (non-replication) connections to the server, and what a relay reads of it first:
-its encoding, its timeline and a slot's position there."""
+"""Plain (non-replication) connections to the server, the row of a named query through one,
+and what a relay reads of the server first: its encoding, its timeline and a slot's position
+there."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def connect(dsn: str) -> psycopg.Connection[dict[str, Any]]:
     except psycopg.OperationalError as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
         raise PreflightError(f"cannot connect to PostgreSQL: {first_line}; check --dsn") from None
+
+
+def one_row(conn: psycopg.Connection[dict[str, Any]], name: str, **params: Any) -> dict[str, Any]:
+    """The row of the query ``name`` of queries.sql; {} when it returns none."""
+    row = conn.execute(QUERIES[name], params).fetchone()
+    return row or {}
 
 
 def timeline_of(dsn: str, slot: str) -> tuple[int, Lsn | None]:

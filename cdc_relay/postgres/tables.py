@@ -1,8 +1,9 @@
 """The outbox tables by identity: resolved as PostgreSQL resolves a name, known by oid.
 
-Set-up and status (slot.py), the stream, the poller's store and the commands beside them all
-name a table so. It imports nothing of the relay's but its queries, so that any of them may
-import it: store.py, which slot.py counts through, could not import slot.py for it.
+Set-up (slot.py), status (ops/status.py), the stream, the poller's store and the commands
+beside them all name a table so. It imports nothing of the relay's but its queries, so that
+any of them may import it: store.py, which status counts through, could not take it from a
+module that imports store.py.
 """
 
 from __future__ import annotations

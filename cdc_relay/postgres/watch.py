@@ -20,9 +20,9 @@ from psycopg.rows import dict_row
 
 from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
-from cdc_relay.postgres import lineage
+from cdc_relay.postgres import gaps
+from cdc_relay.postgres.coverage import besides_problem, coverage_problem, inheritors_problem
 from cdc_relay.postgres.shards import Shard
-from cdc_relay.postgres.slot import besides_problem, coverage_problem, inheritors_problem
 from cdc_relay.postgres.tables import OutboxTable, table_by_oid
 from cdc_relay.queries import QUERIES
 
@@ -56,8 +56,8 @@ class Watcher:
         # whose rows the slot skips (it selects rows by the names of ours).
         self._listing = listing
         # What makes the publication publish each table, compared at each look with the look
-        # before; the slot's position moved in its row now and then (lineage.py).
-        self._lineage = lineage.Watch(slot, publication)
+        # before; the slot's position moved in its row now and then (gaps.py).
+        self._lineage = gaps.Watch(slot, publication)
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0

@@ -76,12 +76,12 @@ from cdc_relay.metrics import (
     Health,
     observe_slot,
 )
-from cdc_relay.postgres import failover, lineage, pgoutput, wal2json
+from cdc_relay.postgres import failover, gaps, pgoutput, wal2json
 from cdc_relay.postgres.connection import check_encoding, connect, timeline_of
+from cdc_relay.postgres.coverage import PLUGINS, besides_problem, coverage_problem
 from cdc_relay.postgres.messages import Messages, check_writers, genuine_cut, unrelayed
 from cdc_relay.postgres.replication import ConnectionLost, Keepalive, ReplicationConnection
 from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
-from cdc_relay.postgres.slot import PLUGINS, besides_problem, coverage_problem
 from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.postgres.wal2json import Wal2JsonDecoder
 from cdc_relay.postgres.watch import Watcher
@@ -831,7 +831,7 @@ class StreamRelay:
             timeline = (conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline")
             if not slot:
                 raise PreflightError(
-                    lineage.gone(conn, settings.slot)
+                    gaps.gone(conn, settings.slot)
                     or failover.slot_gone(settings.slot, timeline)
                     or f"replication slot {settings.slot!r} does not exist; "
                     "run cdc-relay setup-slot first"
@@ -878,7 +878,7 @@ class StreamRelay:
                 self._start_after_cut(conn, settings.shard, str(slot["confirmed_flush_lsn"]))
             if self.dead_letters is not None:
                 self.dead_letters.check(conn)
-            lineage.check_stream(conn, settings.slot, slot, settings.publication, tables)
+            gaps.check_stream(conn, settings.slot, slot, settings.publication, tables)
             row = conn.execute(QUERIES["bytea_types"]).fetchone()
             self._bytea_types = frozenset(row["oids"] if row else ()) | {BYTEA_OID}
             return tables, str(slot["confirmed_flush_lsn"]), str(slot["plugin"])

@@ -51,7 +51,7 @@ CREATE TABLE IF NOT EXISTS cdc_relay_dead_letters (
     commit_lsn     pg_lsn      NOT NULL,
     slot           text        NOT NULL,
     dead_at        timestamptz NOT NULL DEFAULT now(),
-    -- SHA-256 of topic, key, value and headers (cdc_relay/deadletter.py); empty when unknown
+    -- SHA-256 of topic, key, value and headers (cdc_relay/kafka/deadletter.py); empty when unknown
     content_sha256 bytea       NOT NULL DEFAULT '',
     PRIMARY KEY (event_id, content_sha256)
 );
@@ -104,7 +104,7 @@ LANGUAGE sql VOLATILE AS $$
     SELECT id;
 $$;
 
--- Every replication slot cdc-relay set up, and what its relays last saw (cdc_relay/lineage.py):
+-- Every replication slot cdc-relay set up, and what its relays last saw (cdc_relay/postgres/lineage.py):
 -- a slot that existed and is gone is never made anew without a word (setup-slot names what
 -- would be skipped and asks for a remedy), and a publication changed while no relay ran is found
 -- at start. setup-slot makes this table too when it is missing, from the statement below: keep

@@ -93,7 +93,7 @@ WHERE p.pubname = %(publication)s AND g.relid = %(oid)s::oid
 -- OID and xmin: the publication's own (its publish options), the table's entry in it (its row
 -- filter and column list) and its schema's (FOR TABLES IN SCHEMA). A row made again has a new
 -- OID and a row altered a new xmin, and neither comes back: the same identities at two looks
--- mean that nothing of it changed in between (cdc_relay/lineage.py). The rest is for people.
+-- mean that nothing of it changed in between (cdc_relay/postgres/lineage.py). The rest is for people.
 -- {schemas}: pg_publication_namespace, or on PostgreSQL 14 (which has none) a stand-in
 SELECT t.oid::bigint AS oid,
        p.oid::bigint AS publication, p.xmin::text::bigint AS publication_xmin,
@@ -156,7 +156,7 @@ CREATE PUBLICATION {publication} FOR TABLE {tables}
 
 -- emit_cut --
 -- A resharding cut: a transactional logical decoding message every slot decodes at the same
--- place among the transactions (cdc_relay/shards.py); returns its position
+-- place among the transactions (cdc_relay/postgres/shards.py); returns its position
 SELECT pg_logical_emit_message(true, %(prefix)s, %(content)s)::text AS lsn
 
 -- slots_confirmed --
@@ -759,7 +759,7 @@ SELECT set_config('search_path', %(path)s, true)
 -- would be created in
 SELECT parse_ident(%(table)s) AS parts, current_schema() AS current
 
--- `cdc-relay trace` (cdc_relay/trace.py): where one event is; reads only.
+-- `cdc-relay trace` (cdc_relay/ops/trace.py): where one event is; reads only.
 
 -- trace_row --
 -- One outbox row by id, all its columns as JSON; its commit time when PostgreSQL keeps them
@@ -839,7 +839,7 @@ SELECT CASE WHEN NOT pg_is_in_recovery()
             THEN ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int
        END AS timeline
 
--- The slots' lineage (cdc_relay/lineage.py), in the table cdc_relay_slots of schema outbox.
+-- The slots' lineage (cdc_relay/postgres/lineage.py), in the table cdc_relay_slots of schema outbox.
 
 -- lineage_access --
 -- Whether the lineage table exists, and what this role may do there: read it, move a slot's

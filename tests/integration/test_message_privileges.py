@@ -37,8 +37,9 @@ from cdc_relay.devstack import DevstackError
 from cdc_relay.devstack.postgres import find_bindir
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.outbox import write_event
+from cdc_relay.postgres.reshard import prepare_reshard, write_cut
 from cdc_relay.postgres.shards import CUT_PREFIX, Cut
-from cdc_relay.postgres.slot import SlotSpec, prepare_reshard, write_cut
+from cdc_relay.postgres.slot import SlotSpec
 from cdc_relay.queries import QUERIES
 
 pytestmark = pytest.mark.integration

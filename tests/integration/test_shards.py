@@ -32,8 +32,9 @@ from relaytools import (
 )
 
 from cdc_relay.lsn import parse as parse_lsn
+from cdc_relay.postgres.reshard import prepare_reshard, write_cut
 from cdc_relay.postgres.shards import Shard, hashtext
-from cdc_relay.postgres.slot import SlotSpec, prepare_reshard, setup, write_cut
+from cdc_relay.postgres.slot import SlotSpec, setup
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,5 @@
-"""The pure parts of cdc_relay/postgres/lineage.py: what counts as a change of a publication between
-two looks, and which moment the watcher records with the slot's position."""
+"""The pure parts of cdc_relay/postgres/lineage.py and gaps.py: what counts as a change of a
+publication between two looks, and which moment the watcher records with the slot's position."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from cdc_relay import schema
-from cdc_relay.postgres import lineage
+from cdc_relay.postgres import gaps, lineage
 
 
 def _seen(*identity: int | None, table: str = "public.outbox_events") -> dict[str, Any]:
@@ -42,7 +42,7 @@ def test_a_table_seen_at_one_look_only_is_not_compared() -> None:
 
 
 def test_the_moment_recorded_with_a_position_is_the_newest_look_at_or_before_it() -> None:
-    watch = lineage.Watch("s", "p")
+    watch = gaps.Watch("s", "p")
     start = datetime(2026, 1, 5, 9, tzinfo=UTC)
     for second, lsn in enumerate((100, 200, 200, 300)):
         watch.passed(lsn, start + timedelta(seconds=second))
