@@ -36,13 +36,9 @@ from cdc_relay.config import (
 from cdc_relay.errors import PreflightError, RelayError, UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.kafka import cloudevents
+from cdc_relay.kafka.checkpoints import ensure_topic
 from cdc_relay.kafka.deadletter import dead_letters, retry_dead_letters
-from cdc_relay.kafka.exactly_once import (
-    DEFAULT_CHECKPOINT_TOPIC,
-    ExactlyOnce,
-    checkpoint_status,
-    ensure_topic,
-)
+from cdc_relay.kafka.exactly_once import DEFAULT_CHECKPOINT_TOPIC, ExactlyOnce, checkpoint_status
 from cdc_relay.kafka.exactly_once import transactional_id as eos_id
 from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.kafka.sink import producer_config
