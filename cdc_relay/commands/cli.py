@@ -27,7 +27,6 @@ from cdc_relay.config import (
     DEFAULT_SLOT,
     DEFAULT_TABLE,
     SAFER_PLACES,
-    RelaySettings,
     checked_dsn,
     env,
     hide_passwords,
@@ -53,6 +52,7 @@ from cdc_relay.postgres.messages import DEFAULT_WRITER, Messages, writers_proble
 from cdc_relay.postgres.shards import MAX_SHARDS, Shard, every_shard
 from cdc_relay.postgres.slot import SlotSpec, drop, reshard, setup, status
 from cdc_relay.relay.poller import PollRelay, PollSettings
+from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stream import StreamRelay, StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 
 from confluent_kafka import KafkaError
 
-from cdc_relay.config import RelaySettings
 from cdc_relay.errors import RelayError
 from cdc_relay.kafka.routing import Message, Router
 from cdc_relay.kafka.sink import kafka_sink
 from cdc_relay.postgres.store import OutboxRow
 from cdc_relay.relay.pipeline import WAIT, Pipeline, Stopping
+from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stages import OpenSink
 
 # A token of the sink: the batch it belongs to, and the row's index in it. A report of an

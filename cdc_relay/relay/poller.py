@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from cdc_relay.config import RelaySettings
 from cdc_relay.kafka.sink import kafka_sink
 from cdc_relay.metrics import (
     BATCH_DURATION,
@@ -71,6 +70,7 @@ from cdc_relay.postgres.store import (
 from cdc_relay.queries import QUERIES
 from cdc_relay.relay.batch import open_batch, poll_router
 from cdc_relay.relay.pipeline import WAIT
+from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stages import Claims, OpenSink, OpenStore, OutboxStore
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,6 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError
 
-from cdc_relay.config import RelaySettings
 from cdc_relay.errors import (
     DecodeError,
     DeliveryError,
@@ -80,6 +79,7 @@ from cdc_relay.queries import QUERIES
 from cdc_relay.relay import stages
 from cdc_relay.relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.relay.pipeline import Pipeline, Rewind, Stopping
+from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stages import (
     CheckpointStore,
     OpenDeadLetters,
