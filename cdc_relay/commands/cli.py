@@ -51,9 +51,10 @@ from cdc_relay.postgres.connection import connect
 from cdc_relay.postgres.messages import DEFAULT_WRITER, Messages, writers_problem
 from cdc_relay.postgres.shards import MAX_SHARDS, Shard, every_shard
 from cdc_relay.postgres.slot import SlotSpec, drop, reshard, setup, status
-from cdc_relay.relay.poller import PollRelay, PollSettings
+from cdc_relay.relay.poller import PollRelay
 from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stream import StreamRelay, StreamSettings
+from cdc_relay.relay.worker import PollSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)

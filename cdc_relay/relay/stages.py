@@ -38,7 +38,7 @@ from cdc_relay.postgres.store import Outbox, OutboxRow
 class Feed(Protocol):
     """A relay's source as the loop runs it (pipeline.Pipeline.run): it reads from where the
     events are and hands each one to the pipeline (``Pipeline.publish``). stream.StreamRelay
-    reads a replication slot; poller.Worker claims rows."""
+    reads a replication slot; worker.Worker claims rows."""
 
     @property
     def stopped(self) -> bool:
