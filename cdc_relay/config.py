@@ -5,17 +5,13 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from psycopg import ProgrammingError
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from cdc_relay.errors import UsageError
-
-if TYPE_CHECKING:  # cloudevents.py reads the database, which this module need not import
-    from cdc_relay.kafka.cloudevents import CloudEvents
 
 ENV_PREFIX = "CDC_RELAY_"
 
@@ -26,25 +22,6 @@ DEFAULT_TABLE = "public.outbox_events"
 # The Kafka counterpart of PGPASSWORD: a secret has no command-line flag, so that it never
 # shows in a process list or a shell history.
 SASL_PASSWORD_ENV = ENV_PREFIX + "KAFKA_SASL_PASSWORD"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RelaySettings:
-    """What every relay (stream, poll) is configured with: the database, where and how it
-    publishes, how it stops and reports. Each relay's settings add their own to these."""
-
-    dsn: str
-    kafka_config: dict[str, str]
-    topic_template: str
-    tombstone_on_empty: bool = False
-    cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
-    kafka_timeout: float = 15.0  # seconds for a broker to answer at start-up
-    shutdown_timeout: float = 30.0  # seconds to wait for Kafka's acks when stopping
-    progress_interval: float = 10.0  # seconds between progress lines
-
-    def shared(self) -> dict[str, Any]:
-        """These settings as keywords, for a relay's own settings to start from."""
-        return {f.name: getattr(self, f.name) for f in fields(RelaySettings)}
 
 
 def env(option: str) -> str:

@@ -15,13 +15,14 @@ import click
 
 from cdc_relay import logs
 from cdc_relay.commands.options import F, Seconds, env_option
-from cdc_relay.config import RelaySettings, kafka_settings
+from cdc_relay.config import kafka_settings
 from cdc_relay.errors import UsageError
 from cdc_relay.kafka import cloudevents
 from cdc_relay.kafka.exactly_once import DEFAULT_CHECKPOINT_TOPIC
 from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.kafka.sink import producer_config
 from cdc_relay.metrics import Health, serve
+from cdc_relay.relay.settings import RelaySettings
 
 
 def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> str:

@@ -7,7 +7,8 @@ import click
 from cdc_relay.commands.kafka_options import RelayOptions, relay_options
 from cdc_relay.commands.options import Seconds, env_option, outbox_options
 from cdc_relay.commands.relays import run_relay
-from cdc_relay.relay.poller import PollRelay, PollSettings
+from cdc_relay.relay.poller import PollRelay
+from cdc_relay.relay.worker import PollSettings
 
 
 @click.command("poll")

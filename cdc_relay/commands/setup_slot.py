@@ -21,12 +21,12 @@ from cdc_relay.commands.options import (
 )
 from cdc_relay.errors import PreflightError, UsageError
 from cdc_relay.events import OutboxLayout
-from cdc_relay.kafka.exactly_once import ensure_topic
+from cdc_relay.kafka.checkpoints import ensure_topic
 from cdc_relay.ops.handover import handover, republish
 from cdc_relay.postgres import failover
 from cdc_relay.postgres.messages import writers_problem
 from cdc_relay.postgres.slot import setup
-from cdc_relay.relay.poller import PollSettings
+from cdc_relay.relay.worker import PollSettings
 
 
 @click.command("setup-slot")

@@ -16,14 +16,14 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import psycopg
 from confluent_kafka import KafkaError
 from psycopg.rows import dict_row
 
 from cdc_relay.errors import DeliveryError, PreflightError, RelayError
-from cdc_relay.kafka.refusals import header, is_culprit, log_refusal
+from cdc_relay.kafka.refusals import RefusalPolicy, header, is_culprit, log_refusal
 from cdc_relay.kafka.routing import Message, TopicTaken
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import count_failed
@@ -33,12 +33,30 @@ from cdc_relay.postgres.replication import ConnectionLost
 from cdc_relay.postgres.store import refused, resolve
 from cdc_relay.queries import QUERIES
 
-if TYPE_CHECKING:  # the stages name this module's store
-    from cdc_relay.relay.stages import DeadLetterStore, RefusalPolicy
-
 log = logging.getLogger(__name__)
 
 TABLE = "cdc_relay_dead_letters"
+
+
+class DeadLetterStore(Protocol):
+    """Where the stream's culprit goes with ``--dead-letter-topic``: a stage the stream takes
+    (cdc_relay.relay.stages.OpenDeadLetters makes one); ``DeadLetters`` is the real one."""
+
+    @property
+    def topic(self) -> str:
+        """The dead-letter topic."""
+
+    def check(self, conn: psycopg.Connection[dict[str, Any]]) -> None:
+        """Raise PreflightError when the store cannot be written (at start)."""
+
+    def store(self, message: Message, err: KafkaError) -> None:
+        """Keep the event with its content before the slot moves past it."""
+
+    def letter(self, message: Message, err: KafkaError, with_value: bool) -> Message:
+        """The dead-letter message for ``message``, with its payload or without."""
+
+    def close(self) -> None:
+        """Release what it holds."""
 
 
 class DeadLetters:

@@ -8,7 +8,7 @@ for a message among others only makes it a *suspect*: the stream replays from th
 confirmed position and sends each suspect alone. A message refused alone, or refused by the
 client before it was queued, is the *culprit*, and only a culprit is dead-lettered or stops
 the relay. Errors that a later try may not meet again are retried; errors the user must fix
-stop the relay.
+stop the relay. What a relay does with each is its ``RefusalPolicy``, declared here.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from confluent_kafka import KafkaError
 
-from cdc_relay.errors import DeliveryError
+from cdc_relay.errors import DeliveryError, RelayError
 from cdc_relay.kafka.routing import Message
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import count_failed
@@ -70,6 +71,33 @@ STOPPING = frozenset(
         KafkaError.PRODUCER_FENCED,
     }
 )
+
+
+class RefusalPolicy(Protocol):
+    """What the loop does with what Kafka refuses (a stage of the pipeline: see
+    cdc_relay.relay.stages); the functions below say which refusal is whose. The stream
+    rewinds to its confirmed position; a poll worker marks the row for a later try and holds
+    its aggregate back."""
+
+    def refused(self, token: Any, err: KafkaError) -> None:
+        """Kafka refused ``token``'s message among others: a suspect (called while the sink
+        serves its reports; ``served`` acts on it)."""
+
+    def served(self) -> None:
+        """Reports were served: act on the refusals among them (the stream raises Rewind)."""
+
+    def culprit(self, message: Message, token: Any, err: KafkaError) -> None:
+        """The message's own refusal, for certain: the client refused it, or Kafka refused it
+        sent alone."""
+
+    def retry(self, token: Any, err: KafkaError) -> None:
+        """Sent alone, it was refused for a reason not about it: a later try."""
+
+    def cleared(self, token: Any) -> None:
+        """Sent alone, it was acknowledged: no longer a suspect."""
+
+    def unroutable(self, token: Any, exc: RelayError) -> None:
+        """The router cannot make a message of it (no legal topic, no payload)."""
 
 
 def fate(err: KafkaError) -> Fate:

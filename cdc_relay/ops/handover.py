@@ -42,7 +42,7 @@ from cdc_relay.postgres.store import (
 from cdc_relay.postgres.tables import untrusted_message, untrusted_owner
 from cdc_relay.queries import QUERIES
 from cdc_relay.relay.batch import Batch, open_batch
-from cdc_relay.relay.poller import PollSettings, out_of_seq_order
+from cdc_relay.relay.worker import PollSettings, out_of_seq_order
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A poll worker's claimed batch: the checkpointer and the refusal policy of the poll loop.
 
-The worker (poller.Worker) is the feed: it claims rows and publishes each through the
+The worker (worker.Worker) is the feed: it claims rows and publishes each through the
 pipeline (pipeline.py: the same router and sink as ``stream``, so the wire is the same on
 both paths). The batch collects each row's delivery report, which the worker marks in the
 claim's transaction: the acknowledged rows processed, the refused ones for a later try.
@@ -13,7 +13,7 @@ healthy rows twice, and its fate is known before its aggregate's next row goes.
 
 A failure is the row's ``own`` (cdc_relay.kafka.refusals: the culprit) when the client refused
 it, the router could not route it, or Kafka refused it sent alone; a row refused among
-others is only a suspect, and is never made a dead letter for it (poller.Worker).
+others is only a suspect, and is never made a dead letter for it (worker.Worker).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from collections.abc import Callable, Sequence
 
 from confluent_kafka import KafkaError
 
-from cdc_relay.config import RelaySettings
 from cdc_relay.errors import RelayError
 from cdc_relay.kafka.routing import Message, Router
 from cdc_relay.kafka.sink import kafka_sink
 from cdc_relay.postgres.store import OutboxRow
 from cdc_relay.relay.pipeline import WAIT, Pipeline, Stopping
+from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stages import OpenSink
 
 # A token of the sink: the batch it belongs to, and the row's index in it. A report of an

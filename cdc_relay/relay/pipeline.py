@@ -34,10 +34,10 @@ from confluent_kafka import KafkaError
 
 from cdc_relay.errors import RelayError
 from cdc_relay.events import OutboxEvent
-from cdc_relay.kafka.refusals import is_culprit
+from cdc_relay.kafka.refusals import RefusalPolicy, is_culprit
 from cdc_relay.kafka.routing import Message, Router
 from cdc_relay.postgres.replication import ConnectionLost
-from cdc_relay.relay.stages import Checkpointer, Feed, OpenSink, RefusalPolicy, Sink
+from cdc_relay.relay.stages import Checkpointer, Feed, OpenSink, Sink
 
 WAIT = 0.05  # seconds of each wait for delivery reports, between looks at the source and the stop
 

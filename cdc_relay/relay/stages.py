@@ -3,11 +3,13 @@
 pipeline.Pipeline runs a ``Feed`` (the source: a replication slot's stream, stream.py; a poll
 worker's claims, poller.py), routes each event into a ``Sink`` (sink.py), and hands each
 delivery report to a ``Checkpointer`` (the LSN tracker; a claimed batch, batch.py) or to a
-``RefusalPolicy`` (stream.Rewinds, deadletter.DeadLetterRefusals around it; batch.Batch).
+``RefusalPolicy`` (stream.Rewinds, deadletter.DeadLetterRefusals around it; batch.Batch),
+which the Kafka side declares (cdc_relay.kafka.refusals).
 
 Beneath the feeds: the stream takes the replication ``Source`` (replication.py), the
-dead-letter store (deadletter.py), and for exactly once the transactional sink and the
-checkpoint store (exactly_once.py); the poller takes the outbox as its source and its
+dead-letter store (``DeadLetterStore``, declared beside the real one in deadletter.py), and
+for exactly once the transactional sink (transactional.py) and the checkpoint store
+(checkpoints.py); the poller takes the outbox as its source and its
 checkpoint at once: a worker claims rows and marks them in one transaction (``Claims``, of an
 ``OutboxStore``; store.py has the real ones). Each is injected, the real one by default, and
 unit tests give in-memory ones (tests/unit/test_pipeline.py, test_stream_loop.py,
@@ -23,11 +25,9 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-import psycopg
-from confluent_kafka import KafkaError
-
-from cdc_relay.errors import RelayError
-from cdc_relay.kafka.exactly_once import Checkpoint
+from cdc_relay.kafka.checkpoints import Checkpoint
+from cdc_relay.kafka.deadletter import DeadLetterStore
+from cdc_relay.kafka.exactly_once import Transactions
 from cdc_relay.kafka.routing import Message
 from cdc_relay.kafka.sink import Acked, Refused
 from cdc_relay.lsn import Lsn
@@ -38,7 +38,7 @@ from cdc_relay.postgres.store import Outbox, OutboxRow
 class Feed(Protocol):
     """A relay's source as the loop runs it (pipeline.Pipeline.run): it reads from where the
     events are and hands each one to the pipeline (``Pipeline.publish``). stream.StreamRelay
-    reads a replication slot; poller.Worker claims rows."""
+    reads a replication slot; worker.Worker claims rows."""
 
     @property
     def stopped(self) -> bool:
@@ -64,32 +64,6 @@ class Checkpointer(Protocol):
 
     def acked(self, token: Any) -> None:
         """Kafka acknowledged the message of ``token``."""
-
-
-class RefusalPolicy(Protocol):
-    """What the loop does with what Kafka refuses; cdc_relay.kafka.refusals says which refusal is
-    whose. The stream rewinds to its confirmed position; a poll worker marks the row for a
-    later try and holds its aggregate back."""
-
-    def refused(self, token: Any, err: KafkaError) -> None:
-        """Kafka refused ``token``'s message among others: a suspect (called while the sink
-        serves its reports; ``served`` acts on it)."""
-
-    def served(self) -> None:
-        """Reports were served: act on the refusals among them (the stream raises Rewind)."""
-
-    def culprit(self, message: Message, token: Any, err: KafkaError) -> None:
-        """The message's own refusal, for certain: the client refused it, or Kafka refused it
-        sent alone."""
-
-    def retry(self, token: Any, err: KafkaError) -> None:
-        """Sent alone, it was refused for a reason not about it: a later try."""
-
-    def cleared(self, token: Any) -> None:
-        """Sent alone, it was acknowledged: no longer a suspect."""
-
-    def unroutable(self, token: Any, exc: RelayError) -> None:
-        """The router cannot make a message of it (no legal topic, no payload)."""
 
 
 class Source(Protocol):
@@ -144,26 +118,11 @@ class Sink(Protocol):
         """Close; return how many messages were still unacknowledged."""
 
 
-class TransactionalSink(Sink, Protocol):
+class TransactionalSink(Sink, Transactions, Protocol):
     """A sink whose messages count as acknowledged when the Kafka transaction holding them
     commits, with the checkpoint of how far they reach (cdc_relay.kafka.exactly_once says how);
     ``renew`` aborts the open transaction, whose messages are then reported refused or
     forgotten, never acknowledged."""
-
-    @property
-    def events(self) -> int:
-        """Messages in the open transaction."""
-
-    @property
-    def opened(self) -> float:
-        """When the open transaction began (time.monotonic)."""
-
-    def initialise(self) -> None:
-        """Fence older producers of the transactional id; their open transaction is aborted."""
-
-    def commit(self, checkpoint: Checkpoint) -> None:
-        """Commit the open transaction with ``checkpoint``, then report its messages
-        acknowledged; raise TransactionAborted when Kafka aborted it instead."""
 
 
 class CheckpointStore(Protocol):
@@ -175,26 +134,6 @@ class CheckpointStore(Protocol):
 
     def read(self, timeout: float) -> Checkpoint:
         """The last committed checkpoint; an empty one when none was ever committed."""
-
-
-class DeadLetterStore(Protocol):
-    """Where the stream's culprit goes with ``--dead-letter-topic`` (cdc_relay.kafka.deadletter)."""
-
-    @property
-    def topic(self) -> str:
-        """The dead-letter topic."""
-
-    def check(self, conn: psycopg.Connection[dict[str, Any]]) -> None:
-        """Raise PreflightError when the store cannot be written (at start)."""
-
-    def store(self, message: Message, err: KafkaError) -> None:
-        """Keep the event with its content before the slot moves past it."""
-
-    def letter(self, message: Message, err: KafkaError, with_value: bool) -> Message:
-        """The dead-letter message for ``message``, with its payload or without."""
-
-    def close(self) -> None:
-        """Release what it holds."""
 
 
 class Claims(Protocol):

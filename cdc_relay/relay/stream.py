@@ -25,7 +25,6 @@ from typing import Any
 import psycopg
 from confluent_kafka import KafkaError
 
-from cdc_relay.config import RelaySettings
 from cdc_relay.errors import (
     DecodeError,
     DeliveryError,
@@ -46,22 +45,13 @@ from cdc_relay.events import (
     RowMapper,
     envelope_event,
 )
-from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters
-from cdc_relay.kafka.exactly_once import (
-    MESSAGE,
-    TRANSACTION,
-    Checkpoint,
-    Committer,
-    ExactlyOnce,
-    KafkaCheckpoints,
-    TransactionAborted,
-    TransactionalSink,
-    Unit,
-    check_interval,
-)
-from cdc_relay.kafka.refusals import Fate, fate, refusal_error
+from cdc_relay.kafka.checkpoints import MESSAGE, TRANSACTION, Checkpoint, KafkaCheckpoints, Unit
+from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters, DeadLetterStore
+from cdc_relay.kafka.exactly_once import Committer, ExactlyOnce, check_interval
+from cdc_relay.kafka.refusals import Fate, RefusalPolicy, fate, refusal_error
 from cdc_relay.kafka.routing import Message, Router
 from cdc_relay.kafka.sink import Acked, Refused, kafka_sink
+from cdc_relay.kafka.transactional import TransactionAborted, TransactionalSink
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.metrics import (
@@ -89,15 +79,14 @@ from cdc_relay.queries import QUERIES
 from cdc_relay.relay import stages
 from cdc_relay.relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.relay.pipeline import Pipeline, Rewind, Stopping
+from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stages import (
     CheckpointStore,
-    DeadLetterStore,
     OpenDeadLetters,
     OpenSink,
     OpenSource,
     OpenTransactions,
     ReadTimeline,
-    RefusalPolicy,
     Sink,
     Source,
 )

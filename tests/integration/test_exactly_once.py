@@ -47,7 +47,7 @@ from test_observability import scrape
 
 from cdc_relay.devstack import LOOPBACK, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
-from cdc_relay.kafka.exactly_once import Unit, read_checkpoint
+from cdc_relay.kafka.checkpoints import Unit, read_checkpoint
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
@@ -825,7 +825,7 @@ def test_a_checkpoint_of_another_timeline_skips_nothing_past_the_slot(
     take those positions: skipped by the checkpoint, they would be lost. Here the checkpoint
     comes from another timeline and reaches far past the new slot's position: every event the
     new slot decodes must still be published."""
-    from cdc_relay.kafka.exactly_once import Checkpoint, ensure_topic
+    from cdc_relay.kafka.checkpoints import Checkpoint, ensure_topic
     from cdc_relay.kafka.sink import producer_config
 
     setup_slot(outbox_db, names)

@@ -29,7 +29,8 @@ from relaytools import (
 )
 
 from cdc_relay.devstack.postgres import LocalPostgres
-from cdc_relay.kafka.exactly_once import read_checkpoint, transactional_id
+from cdc_relay.kafka.checkpoints import read_checkpoint
+from cdc_relay.kafka.exactly_once import transactional_id
 from cdc_relay.kafka.sink import producer_config
 from cdc_relay.lsn import parse as parse_lsn
 

@@ -27,7 +27,7 @@ from relaytools import (
 )
 
 from cdc_relay.events import Begin, LogicalMessage
-from cdc_relay.kafka.exactly_once import MESSAGE, read_checkpoint
+from cdc_relay.kafka.checkpoints import MESSAGE, read_checkpoint
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.replication import ReplicationConnection, XLogData

@@ -26,8 +26,8 @@ from relaytools import (
     writers_only,
 )
 
+from cdc_relay.kafka.lookup import partition_of
 from cdc_relay.kafka.sink import producer_config
-from cdc_relay.ops.trace import partition_of
 from cdc_relay.outbox import write_event
 
 pytestmark = pytest.mark.integration

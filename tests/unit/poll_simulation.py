@@ -4,7 +4,7 @@ oracle of claim, mark and retry.
 
 As simulation.py does for ``stream``: everything in memory and in one thread, on the virtual
 clock, each call of a stage a step at which the schedule acts. A process is a ``PollRelay``
-with one worker (``poller.Worker``, its real claim, publish, mark and retry logic, through its
+with one worker (``worker.Worker``, its real claim, publish, mark and retry logic, through its
 pipeline and batch), run by the worker's own loop; its waits (for new rows, before a
 reconnect) pass on the virtual clock. Another poller, beside it on the same outbox, is a
 second process run within one of the first one's steps: while the first holds its claim.
@@ -45,7 +45,8 @@ from simulation import (
 from test_stream_loop import DEAD, event_id
 
 from cdc_relay.kafka.routing import Message
-from cdc_relay.relay.poller import PollRelay, PollSettings, Worker
+from cdc_relay.relay.poller import PollRelay
+from cdc_relay.relay.worker import PollSettings, Worker
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ class Event:
 
 
 class Wake:
-    """poller.Wake on the virtual clock: a worker that found no more rows waits here; the
+    """worker.Wake on the virtual clock: a worker that found no more rows waits here; the
     process looks whether it is done (``PollProcess.idle``)."""
 
     def __init__(self, process: PollProcess) -> None:

@@ -53,13 +53,10 @@ from test_stream_loop_eos import Kafka, Transactions
 
 from cdc_relay.errors import DeliveryError
 from cdc_relay.events import Insert, LogicalMessage, Relation, jsonb_text
-from cdc_relay.kafka.exactly_once import (
-    Checkpoint,
-    ExactlyOnce,
-    TransactionAborted,
-    _fenced_error,
-)
+from cdc_relay.kafka.checkpoints import Checkpoint
+from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.kafka.routing import Message
+from cdc_relay.kafka.transactional import TransactionAborted, _fenced_error
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.messages import Messages

@@ -16,7 +16,7 @@ from test_stream_loop import Sink, event_id
 from cdc_relay.kafka.routing import Message
 from cdc_relay.postgres.store import OutboxRow
 from cdc_relay.relay.batch import Batch, open_batch
-from cdc_relay.relay.poller import PollSettings
+from cdc_relay.relay.worker import PollSettings
 
 SETTINGS = PollSettings(
     dsn="test", kafka_config={}, topic_template="outbox.{aggregate_type}", table="outbox"

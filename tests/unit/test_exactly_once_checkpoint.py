@@ -10,15 +10,12 @@ from typing import cast
 import pytest
 
 from cdc_relay.errors import UsageError
+from cdc_relay.kafka.checkpoints import MESSAGE, Checkpoint, Unit, UnreadableCheckpoint
 from cdc_relay.kafka.exactly_once import (
-    MESSAGE,
-    Checkpoint,
     Committer,
     ExactlyOnce,
     Skipper,
-    TransactionalSink,
-    Unit,
-    UnreadableCheckpoint,
+    Transactions,
     check_interval,
 )
 from cdc_relay.lsn import Lsn
@@ -132,7 +129,7 @@ class _Transactions:
 
 def committer(checkpoint: Checkpoint, timeline: int = 1) -> tuple[Committer, _Transactions]:
     sink = _Transactions()
-    eos = Committer(ExactlyOnce("cdc-relay-slot", "checkpoints"), cast(TransactionalSink, sink))
+    eos = Committer(ExactlyOnce("cdc-relay-slot", "checkpoints"), cast(Transactions, sink))
     eos.timeline = timeline
     eos.trust(checkpoint, confirmed=0)
     return eos, sink

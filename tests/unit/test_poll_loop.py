@@ -28,7 +28,8 @@ from test_stream_loop import Sink, event_id
 
 from cdc_relay.errors import RelayError
 from cdc_relay.postgres.shards import hashtext
-from cdc_relay.relay.poller import PollRelay, PollSettings
+from cdc_relay.relay.poller import PollRelay
+from cdc_relay.relay.worker import PollSettings
 
 WATCHDOG = 10.0  # seconds: a loop that never ends fails its test instead of hanging it
 
@@ -347,7 +348,7 @@ def test_a_read_only_server_is_waited_out(caplog: pytest.LogCaptureFixture) -> N
     ]
     relay = Relay(store)
 
-    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.poller"):
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.worker"):
         relay.run_until(store.done)
 
     assert relay.error is None
@@ -458,7 +459,7 @@ def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
     before = REGISTRY.get_sample_value("outbox_events_out_of_seq_order_total", {"relay": "poll"})
     relay = Relay(store)
 
-    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.poller"):
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.worker"):
         relay.run_until(store.done)
 
     assert relay.error is None

@@ -59,7 +59,7 @@ from simulation import (
 from cdc_relay.kafka import exactly_once
 from cdc_relay.lsn import format_lsn
 from cdc_relay.postgres import messages
-from cdc_relay.relay import poller, stream
+from cdc_relay.relay import stream, worker
 
 EXAMPLES = int(os.environ.get("CDC_RELAY_SIMULATION_EXAMPLES", "0"))
 LONG = EXAMPLES > 0
@@ -370,7 +370,7 @@ def simulated(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture)
     monkeypatch.setattr(stream, "time", CLOCK)
     monkeypatch.setattr(exactly_once, "time", CLOCK)
     monkeypatch.setattr(stream, "threading", InlineThread)
-    monkeypatch.setattr(poller, "time", CLOCK)
+    monkeypatch.setattr(worker, "time", CLOCK)
     monkeypatch.setattr(memory_outbox, "time", CLOCK)
     # The database the relay asks besides the stream (a new shard: the cut, the old slot).
     monkeypatch.setattr(stream, "connect", DATABASE.connect)

@@ -23,15 +23,10 @@ from capture import messages
 from test_stream_loop import WATCHDOG, Wal, backlog, event_id
 
 from cdc_relay.events import Begin
-from cdc_relay.kafka.exactly_once import (
-    MESSAGE,
-    TRANSACTION,
-    Checkpoint,
-    ExactlyOnce,
-    TransactionAborted,
-    Unit,
-)
+from cdc_relay.kafka.checkpoints import MESSAGE, TRANSACTION, Checkpoint, Unit
+from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.kafka.routing import Message
+from cdc_relay.kafka.transactional import TransactionAborted
 from cdc_relay.lsn import Lsn
 from cdc_relay.postgres.connection import timeline_of
 from cdc_relay.postgres.messages import Messages

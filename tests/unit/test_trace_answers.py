@@ -6,7 +6,8 @@ import datetime as dt
 
 import pytest
 
-from cdc_relay.ops.trace import Found, Pending, Trace, answer, murmur2, partition_of
+from cdc_relay.kafka.lookup import Found, murmur2, partition_of
+from cdc_relay.ops.trace import Pending, Trace, answer
 
 # org.apache.kafka.common.utils.UtilsTest#testMurmur2, as Java's signed ints
 JAVA = {
