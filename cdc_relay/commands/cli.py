@@ -57,7 +57,8 @@ from cdc_relay.postgres.messages import DEFAULT_WRITER, Messages, writers_proble
 from cdc_relay.postgres.shards import MAX_SHARDS, Shard, every_shard
 from cdc_relay.postgres.slot import SlotSpec, drop, reshard, setup, status
 from cdc_relay.relay.poller import PollRelay, PollSettings
-from cdc_relay.relay.stream import StreamRelay, StreamSettings
+from cdc_relay.relay.stream import StreamRelay
+from cdc_relay.relay.stream_settings import StreamSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
