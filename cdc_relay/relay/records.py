@@ -84,11 +84,11 @@ class Records:
         progress: Progress,
         unacknowledged: set[str],
     ) -> None:
-        self.settings = settings
-        self.tracker = tracker
+        self._settings = settings
+        self._tracker = tracker
         self._cut = cut
         self._eos = eos
-        self.rewinds = rewinds
+        self._rewinds = rewinds
         self._publish = publish
         self._unacknowledged = unacknowledged
         self.progress = progress
@@ -111,12 +111,12 @@ class Records:
                 "add-tables": ",".join(
                     wal2json.table_filter(table.schema, table.name) for table in self.tables
                 ),
-                "add-msg-prefixes": self.settings.message_prefix,
+                "add-msg-prefixes": self._settings.message_prefix,
             }
         self.decode = _pgoutput
         return {
             "proto_version": "1",
-            "publication_names": pgoutput.publication_names(self.settings.publication),
+            "publication_names": pgoutput.publication_names(self._settings.publication),
             "messages": "true",
         }
 
@@ -148,12 +148,12 @@ class Records:
             self._send(mapper.event(record, self._begin), self._transaction)
         elif isinstance(record, Begin):
             self._begin = record
-            self._transaction = self.tracker.begin(record.commit_time_us)
+            self._transaction = self._tracker.begin(record.commit_time_us)
             if self._eos is not None:
                 self._unit_begins(self._eos, Unit(record.final_lsn, TRANSACTION))
         elif isinstance(record, Commit):
             if self._transaction is not None:
-                self.tracker.commit(self._transaction, record.end_lsn)
+                self._tracker.commit(self._transaction, record.end_lsn)
                 self.progress.transactions += 1
                 if self._transaction is self._cut.transaction:
                     self._cut.transaction = None  # past the cut for good: confirm again
@@ -181,7 +181,7 @@ class Records:
             None
             if table is None
             else RowMapper.for_relation(
-                record, self.settings.layout, self.bytea_types, (table.schema, table.name)
+                record, self._settings.layout, self.bytea_types, (table.schema, table.name)
             )
         )
         if table is not None and (table.schema, table.name) != name:
@@ -194,13 +194,13 @@ class Records:
 
     def _other_table(self, relid: int) -> None:
         name = self._relations.get(relid, str(relid))
-        if not self.settings.ignore_other_tables:
+        if not self._settings.ignore_other_tables:
             raise RelayError(
-                f"a row of table {name} arrived: publication {self.settings.publication} "
+                f"a row of table {name} arrived: publication {self._settings.publication} "
                 f"publishes it beside the outbox {_tables(self.tables)}, and cdc-relay "
                 f"relays the outbox only. If it is an outbox too, restart with --table {name} "
                 "added (nothing from its first row on was confirmed); if not, remove it (ALTER "
-                f"PUBLICATION {self.settings.publication} DROP TABLE {name}) and restart with "
+                f"PUBLICATION {self._settings.publication} DROP TABLE {name}) and restart with "
                 "--ignore-other-tables to pass its rows already written, or give it its own "
                 "publication"
             )
@@ -214,17 +214,17 @@ class Records:
         """A logical decoding message with our prefix is an event, routed like a row; a shard
         keeps its own (publications do not filter messages). A cut message ends an old
         shard's stream and starts a new one's."""
-        if record.prefix != self.settings.message_prefix:
+        if record.prefix != self._settings.message_prefix:
             if record.prefix == CUT_PREFIX and self._cut.met(
                 record, self._begin, self._transaction, self.tables
             ):
                 self.quiet = self._eos is not None and self._eos.replaying
             return  # another application's message
-        if not self.settings.messages.relay:  # no event without --messages (messages.py)
+        if not self._settings.messages.relay:  # no event without --messages (messages.py)
             if not self._cut.waiting:  # before a new shard's cut, the old shards' to act on
-                unrelayed(record, self.settings.messages, self.settings.shard)
+                unrelayed(record, self._settings.messages, self._settings.shard)
             return
-        shard = self.settings.shard
+        shard = self._settings.shard
         if record.transactional:
             if self._transaction is None or self._begin is None:
                 raise RelayError("transactional message outside a transaction; please report it")
@@ -246,9 +246,9 @@ class Records:
                 if self._eos is not None:
                     self._eos.unit_ends()
                 return
-            transaction = self.tracker.begin(time.time_ns() // 1000)
+            transaction = self._tracker.begin(time.time_ns() // 1000)
             self._send(event, transaction)
-            self.tracker.commit(transaction, record.lsn)
+            self._tracker.commit(transaction, record.lsn)
             if self._eos is not None:
                 self._eos.unit_ends()
 
@@ -266,9 +266,9 @@ class Records:
             self.quiet = self._cut.waiting
 
     def _send(self, event: OutboxEvent, transaction: Transaction) -> None:
-        self.tracker.sent(transaction)
+        self._tracker.sent(transaction)
         self._unacknowledged.add(event.id)
-        suspects = self.rewinds.suspects
+        suspects = self._rewinds.suspects
         self._publish(event, (transaction, event.id), bool(suspects) and event.id in suspects)
         if self._eos is not None:
             # Counted once produced (a checkpoint taken while it waited must not count it).

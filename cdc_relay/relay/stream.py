@@ -415,7 +415,7 @@ class StreamRelay:
         )
         self._records.quiet = True
 
-    # -- connections ----------------------------------------------------------------------
+    # -- recovering (pipeline.Feed) -------------------------------------------------------
 
     def _follow_timeline(self) -> None:
         """Reconnecting: the server may be another one, promoted since (a multi-host DSN, an
@@ -428,7 +428,8 @@ class StreamRelay:
         confirmed = self._timeline.moved()
         if confirmed is None:
             return  # the same server's history (a missing slot: the stream itself says so)
-        if not self._timeline.guarded:  # else the history this relay was sent is the new one's
+        # Guarded, the history this relay was sent is the new primary's too: nothing to rebase.
+        if not self._timeline.guarded:
             self.tracker.rebase(confirmed)
             # A new shard whose slot there is before its cut: what precedes the cut is the
             # old shards' again (as on a restart, _start_after_cut).
