@@ -145,7 +145,8 @@ def measure(bootstrap: str | None, repeat: int, copies: int) -> dict[str, float]
 
 def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
     """StreamRelay's handling of every record, with the real sink and tracker."""
-    from cdc_relay.relay.stream import StreamRelay, StreamSettings
+    from cdc_relay.relay.stream import StreamRelay
+    from cdc_relay.relay.stream_settings import StreamSettings
 
     settings = StreamSettings(
         dsn="",
@@ -157,10 +158,10 @@ def _loop(bootstrap: str, records: Sequence[Any], repeat: int) -> float:
     )
     relay = StreamRelay(settings)
     relation = next(r for r in records if isinstance(r, Relation))
-    relay._tables = (OutboxTable(relation.relid, relation.namespace, relation.name, False),)
+    relay._records.tables = (OutboxTable(relation.relid, relation.namespace, relation.name, False),)
     inserts = sum(isinstance(r, Insert) for r in records)
-    handle = relay._handle
-    relay._last_status = float("inf")  # no replication connection: no status updates
+    handle = relay._records.handle
+    relay._connection.last_status = float("inf")  # no replication connection: no status updates
 
     def run() -> None:
         # As StreamRelay.pump does: reports served every few milliseconds.

@@ -20,7 +20,8 @@ from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.kafka.exactly_once import transactional_id as eos_id
 from cdc_relay.postgres.messages import Messages
 from cdc_relay.postgres.shards import Shard
-from cdc_relay.relay.stream import StreamRelay, StreamSettings
+from cdc_relay.relay.stream import StreamRelay
+from cdc_relay.relay.stream_settings import StreamSettings
 
 
 def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Shard | None:

@@ -65,7 +65,8 @@ from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut, eve
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
 from cdc_relay.relay.pipeline import Rewind
-from cdc_relay.relay.stream import StreamRelay, StreamSettings
+from cdc_relay.relay.stream import StreamRelay
+from cdc_relay.relay.stream_settings import StreamSettings
 
 # Defects the simulation finds that are not fixed yet: a process that meets one ends there
 # (as a crash would), so that the search goes on past it; each has its own test, expected to
@@ -101,7 +102,7 @@ CLOCK = VirtualClock()
 
 
 class InlineThread:
-    """``threading`` for stream.py: exactly once's start-up runs at once, in the loop's
+    """``threading`` for kafka_transactions.py: exactly once's start-up runs at once, in the loop's
     thread, so that how long it takes cannot change the run."""
 
     class Thread:
@@ -834,7 +835,7 @@ class Process:
 
 
 class Database:
-    """What the relay's plain connections read (stream.connect, and messages.py's check of a
+    """What the relay's plain connections read (its parts' connect, and messages.py's check of a
     cut): a new shard's publication comment (where reshard notes its cut, which also tells a
     genuine cut from a forged one) and how far the old slot is confirmed. A new shard asking
     while the old slot is before the cut runs the old shard's relay first
@@ -874,7 +875,7 @@ class Database:
 
 
 DATABASE = Database()
-# What stream.py and messages.py connect with (test_simulation installs them).
+# What the stream relay's parts and messages.py connect with (test_simulation installs them).
 PSYCOPG = types.SimpleNamespace(connect=DATABASE.connect, OperationalError=psycopg.OperationalError)
 
 

@@ -59,7 +59,18 @@ from simulation import (
 from cdc_relay.kafka import exactly_once
 from cdc_relay.lsn import format_lsn
 from cdc_relay.postgres import messages
-from cdc_relay.relay import stream, worker
+from cdc_relay.relay import (
+    cut,
+    kafka_transactions,
+    losses,
+    preflight,
+    records,
+    slot_connection,
+    standby,
+    status,
+    stream,
+    worker,
+)
 
 EXAMPLES = int(os.environ.get("CDC_RELAY_SIMULATION_EXAMPLES", "0"))
 LONG = EXAMPLES > 0
@@ -367,13 +378,16 @@ def simulated(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture)
     """The relay on the virtual clock, its start-up inline, its log quiet (a failure prints
     what the processes did instead: ``note``)."""
     caplog.set_level(logging.CRITICAL, logger="cdc_relay")
-    monkeypatch.setattr(stream, "time", CLOCK)
+    # The stream relay's parts that read the clock.
+    for module in (stream, records, standby, slot_connection, status, losses):
+        monkeypatch.setattr(module, "time", CLOCK)
     monkeypatch.setattr(exactly_once, "time", CLOCK)
-    monkeypatch.setattr(stream, "threading", InlineThread)
+    monkeypatch.setattr(kafka_transactions, "threading", InlineThread)
     monkeypatch.setattr(worker, "time", CLOCK)
     monkeypatch.setattr(memory_outbox, "time", CLOCK)
     # The database the relay asks besides the stream (a new shard: the cut, the old slot).
-    monkeypatch.setattr(stream, "connect", DATABASE.connect)
+    for module in (cut, standby, preflight):
+        monkeypatch.setattr(module, "connect", DATABASE.connect)
     monkeypatch.setattr(messages, "psycopg", PSYCOPG)
 
 

@@ -41,7 +41,9 @@ from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.relay.checkpoint import Transaction
-from cdc_relay.relay.stream import Rewinds, StreamRelay, StreamSettings
+from cdc_relay.relay.rewinds import Rewinds
+from cdc_relay.relay.stream import StreamRelay
+from cdc_relay.relay.stream_settings import StreamSettings
 
 BACKLOG = Path(__file__).parents[2] / "bench" / "data" / "pgoutput-backlog.jsonl"
 DEAD = "outbox.dead"  # the dead-letter topic
@@ -706,7 +708,7 @@ def test_an_error_the_server_ends_every_stream_with_backs_off_then_stops_in_one_
     wal = Wal(backlog())
     relay, _ = relay_on(wal)
     pauses: list[float] = []
-    monkeypatch.setattr(relay, "_pause", pauses.append)
+    monkeypatch.setattr(relay._connection, "pause", pauses.append)
     wal.error = 'ERROR:  publication "outboxpub" does not exist'
 
     with pytest.raises(RelayError) as failure:
@@ -788,7 +790,7 @@ def test_a_start_the_server_refuses_the_same_way_every_time_stops_the_relay_in_o
     REPLICATION, say): retried with backoff, then a stop naming it, not warnings for ever."""
     wal = Wal(backlog())
     relay, _ = relay_on(wal)
-    monkeypatch.setattr(relay, "_pause", lambda seconds: None)
+    monkeypatch.setattr(relay._connection, "pause", lambda seconds: None)
     wal.lose_after = 50
     wal.refuse_start = "ERROR:  permission denied to start WAL sender"
 

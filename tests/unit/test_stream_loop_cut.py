@@ -24,7 +24,8 @@ from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.postgres import messages
 from cdc_relay.postgres.shards import CUT_PREFIX, Cut, Shard, StartAfterCut
 from cdc_relay.queries import QUERIES
-from cdc_relay.relay import stream
+from cdc_relay.relay import cut as shard_cut
+from cdc_relay.relay import preflight, standby
 from cdc_relay.relay.stream import StreamRelay
 
 SHARD = Shard(0, 1)  # a new shard of a reshard from 2 to 1: every aggregate is its own
@@ -62,9 +63,10 @@ class Database:
         yield self
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """The relay's plain connections reach this database (stream's, and messages.py's
+        """The relay's plain connections reach this database (its parts', and messages.py's
         check of a cut)."""
-        monkeypatch.setattr(stream, "connect", self.connect)
+        for module in (shard_cut, standby, preflight):
+            monkeypatch.setattr(module, "connect", self.connect)
         fake = types.SimpleNamespace(
             connect=self.connect, OperationalError=psycopg.OperationalError
         )
@@ -96,7 +98,7 @@ def new_shard(wal: Wal, database: Database) -> tuple[StreamRelay, Sink]:
     slot has not passed the cut reshard noted in its publication's comment."""
     relay, sink = relay_on(wal, shard=SHARD)
     relay._start_after_cut(cast(Any, database), SHARD, format_lsn(wal.confirmed))
-    assert relay._waiting
+    assert relay._cut.waiting
     return relay, sink
 
 

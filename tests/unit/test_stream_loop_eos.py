@@ -32,7 +32,8 @@ from cdc_relay.postgres.connection import timeline_of
 from cdc_relay.postgres.messages import Messages
 from cdc_relay.relay import stream
 from cdc_relay.relay.stages import ReadTimeline
-from cdc_relay.relay.stream import StreamRelay, StreamSettings
+from cdc_relay.relay.stream import StreamRelay
+from cdc_relay.relay.stream_settings import StreamSettings
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ def test_the_error_that_stops_the_relay_after_the_same_server_error_is_one_line(
     (ERROR, then CONTEXT), so the user gets two, the second without the remedy."""
     wal = Wal(backlog())
     relay, _ = relay_on(wal, ignore_other_tables=True)
-    monkeypatch.setattr(relay, "_pause", lambda seconds: None)
+    monkeypatch.setattr(relay._connection, "pause", lambda seconds: None)
     wal.error = SERVER_ERROR
 
     with pytest.raises(RelayError) as failure:

@@ -25,8 +25,9 @@ from cdc_relay.lsn import format_lsn
 from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
-from cdc_relay.relay import stream
-from cdc_relay.relay.stream import StreamRelay, StreamSettings
+from cdc_relay.relay import cut, preflight, standby, stream
+from cdc_relay.relay.stream import StreamRelay
+from cdc_relay.relay.stream_settings import StreamSettings
 
 
 class Rows:
@@ -61,9 +62,7 @@ class Server:
     def check_database(self, relay: StreamRelay) -> tuple[tuple[OutboxTable, ...], str, str]:
         """What ``_check_database`` notes of the server: its timeline, the slot's position."""
         wal = self.wal
-        relay._timeline = wal.timeline
-        if relay._eos is not None:
-            relay._eos.timeline = wal.timeline
+        relay._timeline.note(wal.timeline)
         relay._slot_confirmed = wal.confirmed
         return wal.tables, format_lsn(wal.confirmed), "pgoutput"
 
@@ -92,12 +91,13 @@ class NoWatcher:
 def server(monkeypatch: pytest.MonkeyPatch) -> Callable[[Wal], Server]:
     """``run`` on the in-memory server of a ``Wal``."""
     monkeypatch.setattr(stream, "_TICK", 0.0)
-    monkeypatch.setattr(stream, "_STANDBY_RETRY", 0.01)
+    monkeypatch.setattr(standby, "_STANDBY_RETRY", 0.01)
     monkeypatch.setattr(stream, "Watcher", NoWatcher)
 
     def on(wal: Wal) -> Server:
         answers = Server(wal)
-        monkeypatch.setattr(stream, "connect", answers.connect)
+        for module in (cut, standby, preflight):
+            monkeypatch.setattr(module, "connect", answers.connect)
         monkeypatch.setattr(StreamRelay, "_check_database", lambda r: answers.check_database(r))
         return answers
 
