@@ -35,7 +35,7 @@ from cdc_relay.kafka.sink import KafkaSink, producer_config
 from cdc_relay.metrics import EVENTS_PUBLISHED, LATENCY
 from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.tables import OutboxTable
-from cdc_relay.relay.checkpoint import LsnTracker
+from cdc_relay.relay.lsn_tracker import LsnTracker
 
 DATA = Path(__file__).with_name("data") / "pgoutput-backlog.jsonl"
 

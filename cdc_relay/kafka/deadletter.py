@@ -170,9 +170,9 @@ class DeadLetterRefusals:
     """The stream's refusal policy with ``--dead-letter-topic``: the culprit goes to the
     dead letters (the table, then the topic) and the stream goes on, and so does an event
     whose topic another aggregate type made first (routing.TopicTaken); everything else is
-    the wrapped policy's (stream.Rewinds). ``deliver_alone`` is the pipeline's: each dead letter
-    goes alone, under the culprit's token, so its acknowledgement moves the checkpointer
-    past the event it stands for."""
+    the wrapped policy's (rewinds.Rewinds). ``deliver_alone`` is the pipeline's: each dead
+    letter goes alone, under the culprit's token, so its acknowledgement moves the
+    checkpointer past the event it stands for."""
 
     def __init__(
         self,

@@ -192,7 +192,7 @@ def unrelayed(record: LogicalMessage, messages: Messages, shard: Shard | None) -
 
 
 class SlotRelay(Protocol):
-    """What ``genuine_cut`` reads of a relay's settings (stream.StreamSettings)."""
+    """What ``genuine_cut`` reads of a relay's settings (stream_settings.StreamSettings)."""
 
     @property
     def dsn(self) -> str: ...

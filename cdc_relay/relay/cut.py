@@ -25,7 +25,7 @@ from cdc_relay.postgres.messages import genuine_cut
 from cdc_relay.postgres.shards import Cut, Shard, StartAfterCut
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.queries import QUERIES
-from cdc_relay.relay.checkpoint import Transaction
+from cdc_relay.relay.lsn_tracker import Transaction
 from cdc_relay.relay.pipeline import Pipeline, Stopping
 from cdc_relay.relay.stream_settings import StreamSettings
 

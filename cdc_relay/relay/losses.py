@@ -11,7 +11,7 @@ import time
 from cdc_relay.errors import RelayError
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.postgres.replication import ConnectionLost
-from cdc_relay.relay.checkpoint import LsnTracker
+from cdc_relay.relay.lsn_tracker import LsnTracker
 
 # The server ending the stream with one error this many times in a row, with no progress in
 # between (about 25 s of backing off), stops the relay: the error is the user's to fix.

@@ -36,8 +36,8 @@ from cdc_relay.postgres.messages import unrelayed
 from cdc_relay.postgres.shards import CUT_PREFIX
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.postgres.wal2json import Wal2JsonDecoder
-from cdc_relay.relay.checkpoint import LsnTracker, Transaction
 from cdc_relay.relay.cut import ShardCut
+from cdc_relay.relay.lsn_tracker import LsnTracker, Transaction
 from cdc_relay.relay.rewinds import Rewinds, Token
 from cdc_relay.relay.stream_settings import StreamSettings
 

@@ -11,7 +11,7 @@ from confluent_kafka import KafkaError
 from cdc_relay.errors import DeliveryError, RelayError
 from cdc_relay.kafka.refusals import Fate, fate, refusal_error
 from cdc_relay.kafka.routing import Message
-from cdc_relay.relay.checkpoint import Transaction
+from cdc_relay.relay.lsn_tracker import Transaction
 from cdc_relay.relay.pipeline import Rewind
 
 # A token of the sink: the event's transaction, and its id for the refusals.

@@ -1,8 +1,9 @@
 """What every relay (stream, poll) is configured with, whatever its feed: the database, where
 and how it publishes (the topic template, the CloudEvents headers), how it stops and reports.
 
-Each relay's settings add their own to these (stream.StreamSettings, worker.PollSettings); the
-commands fill them in from the options that cdc_relay.config names and parses.
+Each relay's settings add their own to these (stream_settings.StreamSettings,
+worker.PollSettings); the commands fill them in from the options that cdc_relay.config names
+and parses.
 """
 
 from __future__ import annotations

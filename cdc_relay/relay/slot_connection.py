@@ -17,8 +17,8 @@ from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health
 from cdc_relay.postgres.replication import ConnectionLost
-from cdc_relay.relay.checkpoint import LsnTracker
 from cdc_relay.relay.losses import Losses
+from cdc_relay.relay.lsn_tracker import LsnTracker
 from cdc_relay.relay.records import Records
 from cdc_relay.relay.stages import OpenSource, Source
 from cdc_relay.relay.standby import Standby

@@ -3,7 +3,7 @@
 pipeline.Pipeline runs a ``Feed`` (the source: a replication slot's stream, stream.py; a poll
 worker's claims, poller.py), routes each event into a ``Sink`` (sink.py), and hands each
 delivery report to a ``Checkpointer`` (the LSN tracker; a claimed batch, batch.py) or to a
-``RefusalPolicy`` (stream.Rewinds, deadletter.DeadLetterRefusals around it; batch.Batch),
+``RefusalPolicy`` (rewinds.Rewinds, deadletter.DeadLetterRefusals around it; batch.Batch),
 which the Kafka side declares (cdc_relay.kafka.refusals).
 
 Beneath the feeds: the stream takes the replication ``Source`` (replication.py), the

@@ -11,8 +11,8 @@ import time
 
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.postgres.watch import Watcher
-from cdc_relay.relay.checkpoint import LsnTracker
 from cdc_relay.relay.cut import ShardCut
+from cdc_relay.relay.lsn_tracker import LsnTracker
 from cdc_relay.relay.records import Progress
 from cdc_relay.relay.slot_connection import SlotConnection
 from cdc_relay.relay.stream_settings import StreamSettings

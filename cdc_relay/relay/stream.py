@@ -55,10 +55,10 @@ from cdc_relay.postgres.shards import Shard
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.postgres.watch import Watcher
 from cdc_relay.relay import stages
-from cdc_relay.relay.checkpoint import LsnTracker
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
 from cdc_relay.relay.losses import Losses
+from cdc_relay.relay.lsn_tracker import LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
 from cdc_relay.relay.preflight import check_database
 from cdc_relay.relay.records import Progress, Records

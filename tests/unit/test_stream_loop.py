@@ -40,7 +40,7 @@ from cdc_relay.lsn import Lsn
 from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.replication import ConnectionLost, Keepalive, XLogData
 from cdc_relay.postgres.tables import OutboxTable
-from cdc_relay.relay.checkpoint import Transaction
+from cdc_relay.relay.lsn_tracker import Transaction
 from cdc_relay.relay.rewinds import Rewinds
 from cdc_relay.relay.stream import StreamRelay
 from cdc_relay.relay.stream_settings import StreamSettings

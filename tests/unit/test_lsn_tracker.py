@@ -6,7 +6,7 @@ from capture import pgoutput_messages
 
 from cdc_relay.events import Begin, Commit, Insert
 from cdc_relay.postgres import pgoutput
-from cdc_relay.relay.checkpoint import LsnTracker, Transaction
+from cdc_relay.relay.lsn_tracker import LsnTracker, Transaction
 
 
 def committed(tracker: LsnTracker, end_lsn: int, events: int) -> Transaction:
