@@ -39,7 +39,7 @@ test-deploy: install
 # Much of a relay test is waiting (for a process to start, a broker to answer, a timeout to
 # pass), which the other process fills.
 test: lint typecheck
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadfile --durations=15 tests
 
 # The fault-injection suite's long version (the short one runs in `make test`): 20 kills of
 # each relay, 30 s outages of the broker and of the network. It prints a table of results at
