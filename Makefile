@@ -37,7 +37,7 @@ test-deploy: install
 # Every test, in two processes (pytest-xdist), each with its own PostgreSQL and Kafka; a test
 # file stays in one process, so its module's services (a second broker, a TLS one) start once.
 # Much of a relay test is waiting (for a process to start, a broker to answer, a timeout to
-# pass), which the other process fills.
+# pass), which the other process fills. The slowest 15 tests are listed at the end.
 test: lint typecheck
 	$(PY) -m pytest -n 2 --dist loadfile --durations=15 tests
 
