@@ -129,7 +129,8 @@ class Stream(Contestant):
             return f"`cdc-relay stream --help` failed: {text.strip()[-300:]}"
         # stream decodes the plugin of its slot, given a decoder module for it (or a --plugin
         # option, should one come).
-        if "--plugin" not in text and importlib.util.find_spec(f"cdc_relay.{self.plugin}") is None:
+        decoder = f"cdc_relay.postgres.{self.plugin}"
+        if "--plugin" not in text and importlib.util.find_spec(decoder) is None:
             return f"`cdc-relay stream` cannot decode {self.plugin} slots yet"
         return None
 

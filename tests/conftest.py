@@ -253,10 +253,10 @@ def _database(postgres_service: PostgresService, *schemas: str) -> Iterator[str]
     yield dsn
     if not postgres_service.running():  # this teardown runs before the autouse restart
         postgres_service.start()
-    _drop_database(postgres_service.dsn, name)
+    drop_database(postgres_service.dsn, name)
 
 
-def _drop_database(admin_dsn: str, name: str, timeout: float = 30.0) -> None:
+def drop_database(admin_dsn: str, name: str, timeout: float = 30.0) -> None:
     """Drop a database after its sessions and replication slots, walsenders included."""
     deadline = time.monotonic() + timeout
     with psycopg.connect(admin_dsn, autocommit=True) as conn:
