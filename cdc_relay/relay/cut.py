@@ -29,7 +29,7 @@ from cdc_relay.relay.lsn_tracker import Transaction
 from cdc_relay.relay.pipeline import Pipeline, Stopping
 from cdc_relay.relay.stream_settings import StreamSettings
 
-# The stream relay's lines, under its logger as before its parts had modules of their own.
+# The stream relay's lines, under one logger whichever of its parts writes them.
 log = logging.getLogger("cdc_relay.relay.stream")
 
 # How the relay has a new shard decide from its slot's position, on a connection, at start and

@@ -41,7 +41,7 @@ from cdc_relay.relay.lsn_tracker import LsnTracker, Transaction
 from cdc_relay.relay.rewinds import Rewinds, Token
 from cdc_relay.relay.stream_settings import StreamSettings
 
-# The stream relay's lines, under its logger as before its parts had modules of their own.
+# The stream relay's lines, under one logger whichever of its parts writes them.
 log = logging.getLogger("cdc_relay.relay.stream")
 
 

@@ -24,7 +24,7 @@ from cdc_relay.relay.stages import OpenSource, Source
 from cdc_relay.relay.standby import Standby
 from cdc_relay.relay.stream_settings import StreamSettings
 
-# The stream relay's lines, under its logger as before its parts had modules of their own.
+# The stream relay's lines, under one logger whichever of its parts writes them.
 log = logging.getLogger("cdc_relay.relay.stream")
 
 RECONNECT_MAX = 10.0  # seconds: the longest pause before another attempt

@@ -24,7 +24,7 @@ from cdc_relay.relay.stages import Sink, Source
 from cdc_relay.relay.stream_settings import StreamSettings
 from cdc_relay.relay.timeline import Timeline
 
-# The stream relay's lines, under its logger as before its parts had modules of their own.
+# The stream relay's lines, under one logger whichever of its parts writes them.
 log = logging.getLogger("cdc_relay.relay.stream")
 
 _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot

@@ -17,7 +17,7 @@ from cdc_relay.relay.records import Progress
 from cdc_relay.relay.slot_connection import SlotConnection
 from cdc_relay.relay.stream_settings import StreamSettings
 
-# The stream relay's lines, under its logger as before its parts had modules of their own.
+# The stream relay's lines, under one logger whichever of its parts writes them.
 log = logging.getLogger("cdc_relay.relay.stream")
 
 # A newly acknowledged position is confirmed this soon: after a crash, PostgreSQL replays
