@@ -20,13 +20,15 @@ from typing import Any
 import psycopg
 import pytest
 from capture import messages
+from memory_producer import Coordinator, producers
 from test_stream_loop import WATCHDOG, Wal, backlog, event_id
 
 from cdc_relay.events import Begin
+from cdc_relay.kafka import sink as kafka_sink
 from cdc_relay.kafka.checkpoints import MESSAGE, TRANSACTION, Checkpoint, Unit
 from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.kafka.routing import Message
-from cdc_relay.kafka.transactional import TransactionAborted
+from cdc_relay.kafka.transactional import TransactionAborted, TransactionalSink
 from cdc_relay.lsn import Lsn
 from cdc_relay.postgres.connection import timeline_of
 from cdc_relay.postgres.messages import Messages
@@ -158,16 +160,20 @@ class Transactions:
 
 
 def eos_relay(
-    wal: Wal, kafka: Kafka, max_events: int = 4, read_timeline: ReadTimeline | None = None
-) -> tuple[StreamRelay, Transactions]:
+    wal: Wal,
+    kafka: Kafka,
+    max_events: int = 4,
+    read_timeline: ReadTimeline | None = None,
+    sink: Callable[..., Any] = Transactions,
+) -> tuple[StreamRelay, Any]:
     """A relay in exactly-once mode on ``wal`` and ``kafka``; a Kafka transaction holds
-    ``max_events`` events, or those of the stream's last transaction read when it idles."""
-    sinks: list[Transactions] = []
+    ``max_events`` events, or those of the stream's last transaction read when it idles.
+    Its sink is ``sink(kafka, on_ack, on_refused)``: the stand-in ``Transactions`` by default,
+    or ``real_sink``, the real one on the model of librdkafka's producer."""
+    sinks: list[Any] = []
 
-    def open_transactions(
-        on_ack: Callable[[Any], None], on_refused: Callable[..., None]
-    ) -> Transactions:
-        sinks.append(Transactions(kafka, on_ack, on_refused))
+    def open_transactions(on_ack: Callable[[Any], None], on_refused: Callable[..., None]) -> Any:
+        sinks.append(sink(kafka, on_ack, on_refused))
         return sinks[0]
 
     relay = StreamRelay(
@@ -193,6 +199,27 @@ def eos_relay(
         read_timeline=read_timeline or (lambda dsn, slot: (0, wal.confirmed)),
     )
     return relay, sinks[0]
+
+
+CHECKPOINTS = "cdc_relay.checkpoints"
+
+
+def real_sink(
+    kafka: Kafka, on_ack: Callable[[Any], None], on_refused: Callable[..., None]
+) -> TransactionalSink:
+    """The real exactly-once sink, on the producers ``on_librdkafka`` patched in."""
+    return TransactionalSink(
+        {}, on_ack, on_refused, transactional_id="test", checkpoint_topic=CHECKPOINTS
+    )
+
+
+def on_librdkafka(monkeypatch: pytest.MonkeyPatch, kafka: Kafka) -> tuple[Coordinator, list[Any]]:
+    """The sink's producers are the model of librdkafka's (memory_producer.py), on a
+    transaction coordinator committing into ``kafka``; the coordinator and the producers."""
+    coordinator = Coordinator(kafka, CHECKPOINTS)
+    make, made = producers(coordinator)
+    monkeypatch.setattr(kafka_sink, "Producer", make)
+    return coordinator, made
 
 
 def commit_positions(wal: Wal) -> dict[Lsn, Lsn]:
@@ -283,6 +310,37 @@ def test_a_lost_connection_aborts_the_open_transaction_and_replays_it_once() -> 
     (aborted,) = sink.aborted
     assert aborted
     assert kafka.ids() == wal.event_ids
+    flushed = wal.flushed()
+    assert flushed == sorted(flushed)
+
+
+def test_a_lost_connection_right_after_a_commit_renews_the_producer_kafka_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real sink on librdkafka's state machine. Right after a commit, the coordinator is
+    still writing its markers: the next transaction's AddPartitionsToTxn is answered
+    CONCURRENT_TRANSACTIONS, and librdkafka will retry it. The connection is lost then; the
+    abort sends EndTxn(abort), for the request it cannot be sure Kafka did not take, to a
+    coordinator with no transaction open: INVALID_TXN_STATE, fatal. The relay stopped there
+    for good ("Kafka transaction failed ... restart the relay"). Nothing of the transaction
+    was on Kafka: a new producer takes over once the slot is held again (fencing only then),
+    the checkpoint is read again, and the replay sends each event once."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    coordinator, made = on_librdkafka(monkeypatch, kafka)
+    inits: list[int] = []  # the stream's starts so far, at each init_transactions
+    coordinator.on_init = lambda: inits.append(len(wal.starts))
+    relay, _ = eos_relay(wal, kafka, max_events=7, sink=real_sink)
+    wal.lose_after = 255  # reads: inside the 24th transaction, its Kafka transaction open
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert ("EndTxn(abort)", "INVALID_TXN_STATE") in coordinator.answers
+    assert len(made) == 2  # the failed producer, and the one that took over
+    assert inits == [1, 2]  # fenced at start, then again only with the slot held again
+    assert len(wal.starts) == 2
+    assert kafka.ids() == wal.event_ids  # each event once, in order
     flushed = wal.flushed()
     assert flushed == sorted(flushed)
 
