@@ -4,7 +4,7 @@ real exactly-once sink (cdc_relay.kafka.transactional.TransactionalSink) runs on
 state machine, not a stand-in for the sink.
 
 What is modelled, and where it comes from (librdkafka's src/rdkafka_txnmgr.c, Kafka's
-TransactionCoordinator; librdkafka's INTRODUCTION.md, "Transactional Producer"):
+TransactionCoordinator; the introduction to librdkafka, "Transactional Producer"):
 
 - The coordinator keeps one transaction per transactional id: Empty, Ongoing (partitions
   added), PrepareCommit or PrepareAbort (decided: EndTxn answered, the markers not written

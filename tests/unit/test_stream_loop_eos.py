@@ -81,6 +81,7 @@ class Transactions:
         self.open: list[tuple[Message, Any]] = []
         self.opened = 0.0
         self.epoch = -1
+        self.initialised = False
         self.commits = 0
         self.offers = 0
         self.on_offer: Callable[[], object] = lambda: None  # before each offer is taken
@@ -102,6 +103,7 @@ class Transactions:
     def initialise(self) -> None:
         self.kafka.epoch += 1
         self.epoch = self.kafka.epoch
+        self.initialised = True
 
     def offer(self, message: Message, token: Any) -> bool:
         assert not self.dead
@@ -343,6 +345,47 @@ def test_a_lost_connection_right_after_a_commit_renews_the_producer_kafka_failed
     assert kafka.ids() == wal.event_ids  # each event once, in order
     flushed = wal.flushed()
     assert flushed == sorted(flushed)
+
+
+def test_a_producer_renewed_while_another_relay_held_the_slot_skips_what_that_one_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, and while this relay is cut off, another one takes the slot, fences, commits
+    and dies right after a commit the slot has not heard of. Its old producer fenced, this
+    relay would have stopped; its new one is not, so the relay reads the checkpoint again
+    once it holds the slot, and skips what the other committed. Started from its own older
+    checkpoint, it would publish the other's last events again."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    coordinator, made = on_librdkafka(monkeypatch, kafka)
+    relay, _ = eos_relay(wal, kafka, max_events=7, sink=real_sink)
+    wal.lose_after = 255
+    ahead: list[str] = []
+
+    def lost() -> None:
+        wal.taken = 1  # the other relay takes the slot before this one reconnects
+
+    def taken() -> None:
+        other, sink = eos_relay(wal, kafka, max_events=7)
+        sink.on_commit = lambda: sink.commits == 5 and sink.kill()
+        with pytest.raises(Killed):
+            other.stream(wal.tables)
+        # what Kafka holds of transactions past the slot's position: replayed, not skipped
+        ahead.extend(i for i in kafka.ids() if wal.end_of(i) > wal.confirmed)
+        wal.connections[-1].close()  # its walsender ends with its process
+
+    wal.on_lost = lost
+    wal.on_taken = taken
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert ("EndTxn(abort)", "INVALID_TXN_STATE") in coordinator.answers
+    assert len(made) == 2
+    assert len(wal.starts) == 3  # this relay, the other, this relay again
+    # The other committed past what it confirmed, and this relay skipped that all the same.
+    assert ahead
+    assert kafka.ids() == wal.event_ids
 
 
 def test_a_server_that_refuses_the_timeline_query_on_reconnecting_is_retried() -> None:
