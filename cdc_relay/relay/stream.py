@@ -410,9 +410,7 @@ class StreamRelay:
         if self._transactions is None:
             return
         self._transactions.start(
-            self.settings.kafka_timeout,
-            self._slot_confirmed,
-            lambda: self._connection.require().send_status(self._received, 0),
+            self.settings.kafka_timeout, self._slot_confirmed, self._keep_alive
         )
         self._records.quiet = True
 

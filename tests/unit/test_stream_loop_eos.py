@@ -388,6 +388,30 @@ def test_a_producer_renewed_while_another_relay_held_the_slot_skips_what_that_on
     assert kafka.ids() == wal.event_ids
 
 
+def test_a_connection_lost_while_exactly_once_starts_is_reconnected() -> None:
+    """The slot is taken, and while Kafka sets the transactions up (the relay tells the
+    walsender it is there meanwhile), the server ends the connection: the relay reconnects
+    as anywhere else in the stream. It stopped with "cannot send status"."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    read = kafka.read
+
+    def read_while_the_server_ends_the_stream(timeout: float) -> Checkpoint:
+        assert wal.holder is not None
+        wal.holder.terminated = True
+        time.sleep(0.05)  # the start's wait for it ticks, and tells the walsender
+        return read(timeout)
+
+    kafka.read = read_while_the_server_ends_the_stream  # type: ignore[method-assign]
+    relay, _ = eos_relay(wal, kafka)
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert len(wal.starts) == 2
+    assert kafka.ids() == wal.event_ids
+
+
 def test_a_server_that_refuses_the_timeline_query_on_reconnecting_is_retried() -> None:
     wal = Wal(backlog())
     kafka = Kafka()
