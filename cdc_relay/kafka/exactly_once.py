@@ -112,6 +112,12 @@ class Transactions(Protocol):
     def opened(self) -> float:
         """When the open transaction began (time.monotonic)."""
 
+    @property
+    def initialised(self) -> bool:
+        """Whether ``initialise`` has set the producer up: not yet, or a new producer took
+        over from one Kafka failed in an abort (transactional.TransactionalSink._abort_failed)
+        and waits for the relay to hold its slot again."""
+
     def initialise(self) -> None:
         """Fence older producers of the transactional id; their open transaction is aborted."""
 

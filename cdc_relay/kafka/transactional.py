@@ -5,8 +5,10 @@ transaction holding them commits, with the checkpoint record saying how far they
 aborts its open transaction) and checks that the checkpoint topic can be written in a
 transaction; ``commit`` writes the checkpoint and commits, or aborts and raises
 TransactionAborted when Kafka refused a message of it (the relay replays from the checkpoint);
-a producer fenced by another relay's says so, and nothing more goes out. What the relay does
-around it: exactly_once.py.
+a producer fenced by another relay's says so, and nothing more goes out. An abort that Kafka
+answers with INVALID_TXN_STATE (its coordinator holds no transaction of the producer open)
+fails the producer for good in librdkafka, and a new one takes over (``_abort_failed``). What
+the relay does around it: exactly_once.py.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class TransactionAborted(Exception):
 
 class TransactionalSink(KafkaSink):
     """A sink whose messages count as acknowledged when their Kafka transaction commits,
-    with a checkpoint record in it; ``renew`` aborts the open transaction."""
+    with a checkpoint record in it; ``renew`` aborts the open transaction (and may leave a
+    new producer to ``initialise``: ``initialised`` says)."""
 
     def __init__(
         self,
@@ -62,13 +65,19 @@ class TransactionalSink(KafkaSink):
         self._start_timeout = start_timeout  # for a coordinator to set up transactions
         self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
         self._purged: list[Any] = []  # tokens of the open transaction purged, not refused
-        self._refused_in_commit = False  # the commit failed on a refusal of one message
+        self._in_commit = False  # aborting the transaction whose commit failed
         self._open = False
         self.events = 0  # events in the open transaction
         self.opened = 0.0  # when it began (monotonic)
         self.committed = 0
         self.aborted = 0
         self._initialised = False
+
+    @property
+    def initialised(self) -> bool:
+        """Whether the producer is set up for transactions: not before ``initialise``, nor
+        after an abort Kafka failed outside a commit left a new one (``_abort_failed``)."""
+        return self._initialised
 
     def initialise(self) -> None:
         """Fence older producers of this transactional id and abort their open transaction."""
@@ -149,11 +158,11 @@ class TransactionalSink(KafkaSink):
                     # Kafka refused a message of it (its report came during the commit's
                     # flush): abort, and let the caller replay.
                     events = self.events
-                    self._refused_in_commit = is_culprit(err)
+                    self._in_commit = True
                     try:
                         self.renew()  # serves the reports of the purged messages
                     finally:
-                        self._refused_in_commit = False
+                        self._in_commit = False
                     if events == 1 and len(self._purged) == 1 and is_culprit(err):
                         # A message alone in its transaction, purged because Kafka refused
                         # to add its partition (a topic not authorised): the refusal is its
@@ -172,7 +181,8 @@ class TransactionalSink(KafkaSink):
 
     def renew(self) -> None:
         """Abort the open transaction: nothing of it becomes visible; its messages are
-        reported refused (purged), and a replay produces them again."""
+        reported refused (purged), and a replay produces them again. An abort Kafka fails
+        leaves a new producer, which outside a commit waits to be initialised."""
         if self._open:
             try:
                 self._producer.abort_transaction(self._timeout)
@@ -187,25 +197,40 @@ class TransactionalSink(KafkaSink):
         self.broken = False
 
     def _abort_failed(self, err: KafkaError) -> None:
-        """The abort failed: stop, unless the producer is failed by Kafka refusing to end a
-        transaction whose partitions it refused to add (a topic not authorised, refused
-        during the commit): then a new producer with the same transactional id takes over,
-        whose init_transactions ends what is left of it, as a restarted relay's would. Only
-        then: a new producer fences any other (a relay that took over would be stopped)."""
-        refused = self._refused_in_commit
-        if not (refused and err.fatal() and err.code() == KafkaError.INVALID_TXN_STATE):
+        """The abort failed: stop, unless Kafka answered it INVALID_TXN_STATE, which fails
+        the producer for good (librdkafka makes it fatal) and says that the coordinator holds
+        no transaction of this producer open: nothing of the one aborted is on Kafka. Its
+        commit was never asked, or failed (a commit Kafka made is never reported abortable).
+        librdkafka sends that abort when it cannot be sure Kafka did not take a partition of
+        the transaction: an AddPartitionsToTxn refused by a topic not authorised, or answered
+        CONCURRENT_TRANSACTIONS while the coordinator still writes the last commit's markers
+        (for a few milliseconds after each commit, more on a loaded machine), whose retry the
+        abort cancels. Then a new producer with the same transactional id takes over, whose
+        init_transactions ends what is left, as a restarted relay's would. Inside a commit the
+        relay holds its slot and goes on (a culprit's dead letter next): initialised at once.
+        Otherwise (a lost connection, a rewind) the slot may be another relay's by now, which
+        the new producer must not fence: the relay initialises it once it holds the slot
+        again, and reads the checkpoint again (KafkaTransactions.resume)."""
+        if not (err.fatal() and err.code() == KafkaError.INVALID_TXN_STATE):
             self._fail(err)
-        log.warning(
-            "Kafka failed the producer when aborting a transaction (%s); starting a new one",
-            err.str(),
-            extra={"action": "producer_renewed"},
-        )
         old, self._producer = self._producer, self._new_producer()
         with contextlib.suppress(KafkaException):
             old.purge()
-            old.flush(0)  # serves the purged messages' reports, and the fatal error's
+            # Serves the purged messages' reports, and the fatal error's (librdkafka's lines
+            # too: they come before the one that says what the relay does about it).
+            old.flush(0)
         self.failure = None  # the old producer's, which is gone
-        self._call(self._producer.init_transactions, self._timeout)
+        log.warning(
+            "Kafka failed the producer when aborting a transaction (%s): nothing of it is on "
+            "Kafka; a new producer takes over%s",
+            err.str(),
+            "" if self._in_commit else " once the slot is held again",
+            extra={"action": "producer_renewed"},
+        )
+        self._initialised = False
+        if self._in_commit:
+            self._call(self._producer.init_transactions, self._timeout)
+            self._initialised = True
 
     def close(self) -> int:
         left = self.events

@@ -2,8 +2,9 @@
 transactional sink the relay produces through, its start (older relays of the transactional id
 fenced, the checkpoint of how far they committed read from the checkpoint store and trusted as
 far as the server's timeline allows, and again on a new timeline), and its commits: when a
-transaction is old or large enough, and around an event sent alone. Where the stream is in its
-units and what a replay skips is the Committer's (records.Records tells it)."""
+transaction is old or large enough, and around an event sent alone; and, with the slot held
+again, the start of a producer the sink made anew. Where the stream is in its units and what
+a replay skips is the Committer's (records.Records tells it)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,7 @@ class KafkaTransactions:
         self._pipeline = pipeline
         self._rewinds = rewinds
         self._health = health
+        self._confirmed: Lsn = 0  # the slot's position the checkpoint was last trusted at
 
     def start(self, timeout: float, confirmed: Lsn, keep_alive: Callable[[], None]) -> None:
         """Fence older relays of this transactional id, read how far they committed from the
@@ -112,6 +114,7 @@ class KafkaTransactions:
         """Hold ``checkpoint`` as what Kafka has, as far as the server's timeline allows
         (Checkpoint.trusted_on): the replay skips that."""
         eos = self.eos
+        self._confirmed = confirmed
         if not eos.trust(checkpoint, confirmed):
             log.warning(
                 "exactly once: the checkpoint of %s was written on timeline %d and the server "
@@ -124,6 +127,19 @@ class KafkaTransactions:
                 format_lsn(confirmed),
                 extra={"action": "checkpoint_other_timeline"},
             )
+
+    def resume(self, timeout: float, keep_alive: Callable[[], None]) -> None:
+        """With the slot held again, after a lost connection or a rewind: a producer the sink
+        made anew meanwhile (Kafka failed the abort of the old one's transaction:
+        transactional.TransactionalSink._abort_failed) starts as at the relay's start. It
+        fences older producers only now: before, the slot may have been another relay's,
+        which it must not stop. And the checkpoint is read again: another relay may have
+        held the slot and committed meanwhile, fencing the old producer, which would have
+        stopped this relay; the replay skips what Kafka holds, as after a restart. Nothing
+        when the sink's producer is the one started."""
+        if self.eos.sink.initialised:
+            return
+        self.start(timeout, self._confirmed, keep_alive)
 
     def trust_again(self, confirmed: Lsn) -> None:
         """On a new timeline: the checkpoints carry it (timeline.Timeline notes it), and the

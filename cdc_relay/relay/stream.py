@@ -410,9 +410,7 @@ class StreamRelay:
         if self._transactions is None:
             return
         self._transactions.start(
-            self.settings.kafka_timeout,
-            self._slot_confirmed,
-            lambda: self._connection.require().send_status(self._received, 0),
+            self.settings.kafka_timeout, self._slot_confirmed, self._keep_alive
         )
         self._records.quiet = True
 
@@ -458,7 +456,7 @@ class StreamRelay:
         losses = self._losses.in_a_row
         if losses > 1:
             self._connection.pause(min(0.5 * 2 ** (losses - 2), RECONNECT_MAX))
-        self._connection.reconnect()
+        self._reconnect()
 
     def rewind(self) -> None:
         """Kafka refused events: drop what the producer holds (the gapless guarantee let
@@ -485,7 +483,20 @@ class StreamRelay:
         if retry:
             rewinds.rewinds += 1
             self._connection.pause(min(0.5 * 2**rewinds.rewinds, RECONNECT_MAX))
+        self._reconnect()
+
+    def _reconnect(self) -> None:
+        """Take the slot again; exactly once, a producer the sink made anew meanwhile starts
+        only now, with the checkpoint read again (KafkaTransactions.resume)."""
         self._connection.reconnect()
+        if self._transactions is not None and self._connection.conn is not None:
+            self._transactions.resume(self.settings.kafka_timeout, self._keep_alive)
+
+    def _keep_alive(self) -> None:
+        """The walsender hears from the relay while exactly once starts, confirming nothing;
+        a connection lost meanwhile is the next read's to find."""
+        with contextlib.suppress(ConnectionLost):
+            self._connection.require().send_status(self._received, 0)
 
     def _restart_decoding(self) -> None:
         """Forget open and unacknowledged transactions: the stream starts again from the

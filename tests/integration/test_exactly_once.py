@@ -47,7 +47,10 @@ from test_observability import scrape
 
 from cdc_relay.devstack import LOOPBACK, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
-from cdc_relay.kafka.checkpoints import Unit, read_checkpoint
+from cdc_relay.kafka.checkpoints import Checkpoint, KafkaCheckpoints, Unit, read_checkpoint
+from cdc_relay.kafka.routing import Message
+from cdc_relay.kafka.sink import producer_config
+from cdc_relay.kafka.transactional import TransactionalSink
 from cdc_relay.lsn import parse as parse_lsn
 
 pytestmark = pytest.mark.integration
@@ -189,6 +192,67 @@ def test_an_event_kafka_refuses_stops_the_relay_and_nothing_is_published_twice(
 # minute and still make dozens (95 in a run). CDC_RELAY_TEST_BIG_TRANSACTION=1000000 runs
 # the million.
 BIG = int(os.environ.get("CDC_RELAY_TEST_BIG_TRANSACTION", "200000"))
+
+
+def test_an_abort_kafka_fails_right_after_a_commit_takes_a_new_producer_and_loses_nothing(
+    kafka_service: Any, names: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a lost replication connection does to the sink (``renew``), at the moment the
+    fault suite met (test_faults.py::test_postgres_restarted, exactly once stopped for good
+    with INVALID_TXN_STATE). Right after a commit the coordinator writes the transaction's
+    markers; the next transaction's first AddPartitionsToTxn meets them and is answered
+    CONCURRENT_TRANSACTIONS, and librdkafka retries it 20 ms later, counting it as maybe
+    received. An abort meanwhile sends EndTxn(abort) to a coordinator with no transaction
+    open: INVALID_TXN_STATE, fatal (the broker logs "state is COMPLETE_COMMIT, but received
+    transaction marker result to send: ABORT"). Nothing of that transaction is on Kafka: the
+    sink takes a new producer, which the relay initialises once it holds the slot again
+    (test_stream_loop_eos runs the relay through it). The window is a few milliseconds after
+    each commit, so the sequence is tried until Kafka has failed the producer three times."""
+    bootstrap = kafka_service.bootstrap
+    topic = f"{names.topic_prefix}.order"
+    create_topics(bootstrap, {topic: {}}, partitions=12)
+    config = producer_config(bootstrap, {})
+    tid = f"cdc-relay-{names.slot}"
+    checkpoints = f"{names.topic_prefix}_checkpoints"
+    KafkaCheckpoints(config, checkpoints, tid).prepare(30)
+    acked: list[str] = []
+    sink = TransactionalSink(
+        config, acked.append, lambda token, err: None, tid, checkpoints, timeout=30
+    )
+    sink.initialise()
+
+    def offer(event: str, key: int) -> None:
+        message = Message(topic, f"order-{key}".encode(), b"{}", [("id", event.encode())])
+        assert sink.offer(message, event)
+
+    def renewals() -> int:
+        return sum(getattr(r, "action", "") == "producer_renewed" for r in caplog.records)
+
+    committed: list[str] = []
+    try:
+        for attempt in range(1, 400):
+            events = [f"{attempt}-{key}" for key in range(12)]
+            for key, event in enumerate(events):
+                offer(event, key)
+            sink.commit(Checkpoint(Unit(attempt)))
+            committed += events
+            offer(f"{attempt}-aborted", 0)  # the next transaction: its AddPartitionsToTxn
+            time.sleep(0.005)  # answered CONCURRENT_TRANSACTIONS, retried in 20 ms
+            before = renewals()
+            sink.renew()  # the replication connection was lost: abort
+            if renewals() > before:
+                sink.initialise()  # the relay, with the slot held again
+                if renewals() == 3:
+                    break
+        assert renewals() == 3, "Kafka never failed an abort: the window was not met"
+        last = Checkpoint(Unit(attempt))
+    finally:
+        sink.close()
+    assert sorted(acked) == sorted(committed)
+    received = consume(bootstrap, names.topic_prefix, expected=len(committed), settle=2)
+    # read_committed: every committed event once, nothing of the aborted transactions
+    assert sorted(r.id for r in received) == sorted(committed)
+    assert read_checkpoint(config, checkpoints, tid, 30) == last
 
 
 def vm_kib(pid: int, field: str) -> int:

@@ -20,13 +20,15 @@ from typing import Any
 import psycopg
 import pytest
 from capture import messages
+from memory_producer import Coordinator, producers
 from test_stream_loop import WATCHDOG, Wal, backlog, event_id
 
 from cdc_relay.events import Begin
+from cdc_relay.kafka import sink as kafka_sink
 from cdc_relay.kafka.checkpoints import MESSAGE, TRANSACTION, Checkpoint, Unit
 from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.kafka.routing import Message
-from cdc_relay.kafka.transactional import TransactionAborted
+from cdc_relay.kafka.transactional import TransactionAborted, TransactionalSink
 from cdc_relay.lsn import Lsn
 from cdc_relay.postgres.connection import timeline_of
 from cdc_relay.postgres.messages import Messages
@@ -79,6 +81,7 @@ class Transactions:
         self.open: list[tuple[Message, Any]] = []
         self.opened = 0.0
         self.epoch = -1
+        self.initialised = False
         self.commits = 0
         self.offers = 0
         self.on_offer: Callable[[], object] = lambda: None  # before each offer is taken
@@ -100,6 +103,7 @@ class Transactions:
     def initialise(self) -> None:
         self.kafka.epoch += 1
         self.epoch = self.kafka.epoch
+        self.initialised = True
 
     def offer(self, message: Message, token: Any) -> bool:
         assert not self.dead
@@ -158,16 +162,20 @@ class Transactions:
 
 
 def eos_relay(
-    wal: Wal, kafka: Kafka, max_events: int = 4, read_timeline: ReadTimeline | None = None
-) -> tuple[StreamRelay, Transactions]:
+    wal: Wal,
+    kafka: Kafka,
+    max_events: int = 4,
+    read_timeline: ReadTimeline | None = None,
+    sink: Callable[..., Any] = Transactions,
+) -> tuple[StreamRelay, Any]:
     """A relay in exactly-once mode on ``wal`` and ``kafka``; a Kafka transaction holds
-    ``max_events`` events, or those of the stream's last transaction read when it idles."""
-    sinks: list[Transactions] = []
+    ``max_events`` events, or those of the stream's last transaction read when it idles.
+    Its sink is ``sink(kafka, on_ack, on_refused)``: the stand-in ``Transactions`` by default,
+    or ``real_sink``, the real one on the model of librdkafka's producer."""
+    sinks: list[Any] = []
 
-    def open_transactions(
-        on_ack: Callable[[Any], None], on_refused: Callable[..., None]
-    ) -> Transactions:
-        sinks.append(Transactions(kafka, on_ack, on_refused))
+    def open_transactions(on_ack: Callable[[Any], None], on_refused: Callable[..., None]) -> Any:
+        sinks.append(sink(kafka, on_ack, on_refused))
         return sinks[0]
 
     relay = StreamRelay(
@@ -193,6 +201,27 @@ def eos_relay(
         read_timeline=read_timeline or (lambda dsn, slot: (0, wal.confirmed)),
     )
     return relay, sinks[0]
+
+
+CHECKPOINTS = "cdc_relay.checkpoints"
+
+
+def real_sink(
+    kafka: Kafka, on_ack: Callable[[Any], None], on_refused: Callable[..., None]
+) -> TransactionalSink:
+    """The real exactly-once sink, on the producers ``on_librdkafka`` patched in."""
+    return TransactionalSink(
+        {}, on_ack, on_refused, transactional_id="test", checkpoint_topic=CHECKPOINTS
+    )
+
+
+def on_librdkafka(monkeypatch: pytest.MonkeyPatch, kafka: Kafka) -> tuple[Coordinator, list[Any]]:
+    """The sink's producers are the model of librdkafka's (memory_producer.py), on a
+    transaction coordinator committing into ``kafka``; the coordinator and the producers."""
+    coordinator = Coordinator(kafka, CHECKPOINTS)
+    make, made = producers(coordinator)
+    monkeypatch.setattr(kafka_sink, "Producer", make)
+    return coordinator, made
 
 
 def commit_positions(wal: Wal) -> dict[Lsn, Lsn]:
@@ -285,6 +314,102 @@ def test_a_lost_connection_aborts_the_open_transaction_and_replays_it_once() -> 
     assert kafka.ids() == wal.event_ids
     flushed = wal.flushed()
     assert flushed == sorted(flushed)
+
+
+def test_a_lost_connection_right_after_a_commit_renews_the_producer_kafka_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The real sink on librdkafka's state machine. Right after a commit, the coordinator is
+    still writing its markers: the next transaction's AddPartitionsToTxn is answered
+    CONCURRENT_TRANSACTIONS, and librdkafka will retry it. The connection is lost then; the
+    abort sends EndTxn(abort), for the request it cannot be sure Kafka did not take, to a
+    coordinator with no transaction open: INVALID_TXN_STATE, fatal. The relay stopped there
+    for good ("Kafka transaction failed ... restart the relay"). Nothing of the transaction
+    was on Kafka: a new producer takes over once the slot is held again (fencing only then),
+    the checkpoint is read again, and the replay sends each event once."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    coordinator, made = on_librdkafka(monkeypatch, kafka)
+    inits: list[int] = []  # the stream's starts so far, at each init_transactions
+    coordinator.on_init = lambda: inits.append(len(wal.starts))
+    relay, _ = eos_relay(wal, kafka, max_events=7, sink=real_sink)
+    wal.lose_after = 255  # reads: inside the 24th transaction, its Kafka transaction open
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert ("EndTxn(abort)", "INVALID_TXN_STATE") in coordinator.answers
+    assert len(made) == 2  # the failed producer, and the one that took over
+    assert inits == [1, 2]  # fenced at start, then again only with the slot held again
+    assert len(wal.starts) == 2
+    assert kafka.ids() == wal.event_ids  # each event once, in order
+    flushed = wal.flushed()
+    assert flushed == sorted(flushed)
+
+
+def test_a_producer_renewed_while_another_relay_held_the_slot_skips_what_that_one_committed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As above, and while this relay is cut off, another one takes the slot, fences, commits
+    and dies right after a commit the slot has not heard of. Its old producer fenced, this
+    relay would have stopped; its new one is not, so the relay reads the checkpoint again
+    once it holds the slot, and skips what the other committed. Started from its own older
+    checkpoint, it would publish the other's last events again."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    coordinator, made = on_librdkafka(monkeypatch, kafka)
+    relay, _ = eos_relay(wal, kafka, max_events=7, sink=real_sink)
+    wal.lose_after = 255
+    ahead: list[str] = []
+
+    def lost() -> None:
+        wal.taken = 1  # the other relay takes the slot before this one reconnects
+
+    def taken() -> None:
+        other, sink = eos_relay(wal, kafka, max_events=7)
+        sink.on_commit = lambda: sink.commits == 5 and sink.kill()
+        with pytest.raises(Killed):
+            other.stream(wal.tables)
+        # what Kafka holds of transactions past the slot's position: replayed, not skipped
+        ahead.extend(i for i in kafka.ids() if wal.end_of(i) > wal.confirmed)
+        wal.connections[-1].close()  # its walsender ends with its process
+
+    wal.on_lost = lost
+    wal.on_taken = taken
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert ("EndTxn(abort)", "INVALID_TXN_STATE") in coordinator.answers
+    assert len(made) == 2
+    assert len(wal.starts) == 3  # this relay, the other, this relay again
+    # The other committed past what it confirmed, and this relay skipped that all the same.
+    assert ahead
+    assert kafka.ids() == wal.event_ids
+
+
+def test_a_connection_lost_while_exactly_once_starts_is_reconnected() -> None:
+    """The slot is taken, and while Kafka sets the transactions up (the relay tells the
+    walsender it is there meanwhile), the server ends the connection: the relay reconnects
+    as anywhere else in the stream. It stopped with "cannot send status"."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    read = kafka.read
+
+    def read_while_the_server_ends_the_stream(timeout: float) -> Checkpoint:
+        assert wal.holder is not None
+        wal.holder.terminated = True
+        time.sleep(0.05)  # the start's wait for it ticks, and tells the walsender
+        return read(timeout)
+
+    kafka.read = read_while_the_server_ends_the_stream  # type: ignore[method-assign]
+    relay, _ = eos_relay(wal, kafka)
+    wal.on_idle = relay.request_stop
+
+    relay.stream(wal.tables)
+
+    assert len(wal.starts) == 2
+    assert kafka.ids() == wal.event_ids
 
 
 def test_a_server_that_refuses_the_timeline_query_on_reconnecting_is_retried() -> None:
