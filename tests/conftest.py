@@ -18,7 +18,7 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -254,6 +254,27 @@ def _database(postgres_service: PostgresService, *schemas: str) -> Iterator[str]
     if not postgres_service.running():  # this teardown runs before the autouse restart
         postgres_service.start()
     drop_database(postgres_service.dsn, name)
+
+
+@pytest.fixture
+def outbox_db_on() -> Iterator[Callable[[str], str]]:
+    """Makes an outbox database of the test's own on the server of a superuser DSN (a cluster a
+    test module started itself); returns its DSN; drops it afterwards."""
+    made: list[tuple[str, str]] = []
+
+    def make(admin_dsn: str) -> str:
+        name = f"t_{uuid.uuid4().hex[:8]}"
+        with psycopg.connect(admin_dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        made.append((admin_dsn, name))
+        dsn = make_conninfo(admin_dsn, dbname=name)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(schema.text("outbox").encode())  # several statements: no parameters
+        return dsn
+
+    yield make
+    for admin_dsn, name in made:
+        drop_database(admin_dsn, name)
 
 
 def drop_database(admin_dsn: str, name: str, timeout: float = 30.0) -> None:

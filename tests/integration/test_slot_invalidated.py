@@ -24,8 +24,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import drop_database
-from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 from relaytools import (
     RelayProcess,
@@ -246,29 +244,15 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-@pytest.fixture
-def own_outbox(server: str) -> Iterator[str]:
-    """An outbox database of this test's own on the module's cluster: ``--republish-since``
-    publishes every row created since a time, and the rows another test of the module wrote
-    just before would be among them."""
-    name = f"t_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(server, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    dsn = make_conninfo(server, dbname=name)
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(schema.text("outbox").encode())
-    yield dsn
-    drop_database(server, name)
-
-
 def test_the_remedy_drop_slot_then_setup_slot_republish_since_loses_nothing(
-    tmp_path: Path, own_outbox: str, kafka_service: Any, names: Any
+    tmp_path: Path, server: str, outbox_db_on: Any, kafka_service: Any, names: Any
 ) -> None:
     """README's remedy, as typed: drop-slot, setup-slot --republish-since T (T: the newest
     event on Kafka, less a margin), then stream. Every event reaches Kafka, the first delivery of
     each in order per aggregate; sent twice: only those created since T that the old slot had
-    relayed."""
-    server = own_outbox
+    relayed. On a database of its own: ``--republish-since T`` publishes every row created
+    since T, and rows the module's previous test wrote a moment before would be among them."""
+    server = outbox_db_on(server)
     setup_slot(server, names)
     writer = Writer(server)
     relay = RelayProcess(tmp_path, relay_env(server, kafka_service.bootstrap, names)).start()
