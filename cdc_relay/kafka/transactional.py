@@ -210,8 +210,10 @@ class TransactionalSink(KafkaSink):
         CONCURRENT_TRANSACTIONS while the coordinator still writes the last commit's markers
         (for a few milliseconds after each commit, more on a loaded machine), whose retry the
         abort cancels. Then a new producer with the same transactional id takes over, whose
-        init_transactions ends what is left, as a restarted relay's would. Inside a commit the
-        relay holds its slot and goes on (a culprit's dead letter next): initialised at once.
+        init_transactions ends what is left, as a restarted relay's would. Inside a commit that
+        failed on Kafka's refusal of a message (no EndTxn(commit) sent) the relay holds its
+        slot and goes on (a culprit's dead letter next): initialised at once; inside any other
+        failed commit, stop (the commit may be on Kafka).
         Otherwise (a lost connection, a rewind) the slot may be another relay's by now, which
         the new producer must not fence: the relay initialises it once it holds the slot
         again, and reads the checkpoint again (KafkaTransactions.resume)."""
