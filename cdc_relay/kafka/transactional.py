@@ -66,6 +66,9 @@ class TransactionalSink(KafkaSink):
         self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
         self._purged: list[Any] = []  # tokens of the open transaction purged, not refused
         self._in_commit = False  # aborting the transaction whose commit failed
+        # ... failed on Kafka's refusal of a message (its partition not added): no EndTxn
+        # (commit) was sent, so nothing of it can be on Kafka
+        self._refused_in_commit = False
         self._open = False
         self.events = 0  # events in the open transaction
         self.opened = 0.0  # when it began (monotonic)
@@ -159,10 +162,11 @@ class TransactionalSink(KafkaSink):
                     # flush): abort, and let the caller replay.
                     events = self.events
                     self._in_commit = True
+                    self._refused_in_commit = is_culprit(err)
                     try:
                         self.renew()  # serves the reports of the purged messages
                     finally:
-                        self._in_commit = False
+                        self._in_commit = self._refused_in_commit = False
                     if events == 1 and len(self._purged) == 1 and is_culprit(err):
                         # A message alone in its transaction, purged because Kafka refused
                         # to add its partition (a topic not authorised): the refusal is its
@@ -206,12 +210,21 @@ class TransactionalSink(KafkaSink):
         CONCURRENT_TRANSACTIONS while the coordinator still writes the last commit's markers
         (for a few milliseconds after each commit, more on a loaded machine), whose retry the
         abort cancels. Then a new producer with the same transactional id takes over, whose
-        init_transactions ends what is left, as a restarted relay's would. Inside a commit the
-        relay holds its slot and goes on (a culprit's dead letter next): initialised at once.
+        init_transactions ends what is left, as a restarted relay's would. Inside a commit that
+        failed on Kafka's refusal of a message (no EndTxn(commit) sent) the relay holds its
+        slot and goes on (a culprit's dead letter next): initialised at once; inside any other
+        failed commit, stop (the commit may be on Kafka).
         Otherwise (a lost connection, a rewind) the slot may be another relay's by now, which
         the new producer must not fence: the relay initialises it once it holds the slot
         again, and reads the checkpoint again (KafkaTransactions.resume)."""
         if not (err.fatal() and err.code() == KafkaError.INVALID_TXN_STATE):
+            self._fail(err)
+        if self._in_commit and not self._refused_in_commit:
+            # The commit's abortable error may have come after its EndTxn(commit) reached
+            # the coordinator (librdkafka: "the transaction will have failed locally but the
+            # EndTxn(commit) may have succeeded"): then INVALID_TXN_STATE answers an abort of
+            # a transaction Kafka committed, and a replay would publish it twice. Stop: the
+            # restarted relay reads the checkpoint, which says.
             self._fail(err)
         old, self._producer = self._producer, self._new_producer()
         with contextlib.suppress(KafkaException):

@@ -512,3 +512,57 @@ def test_an_event_sent_alone_whose_kafka_transaction_aborts_is_replayed_not_wait
     assert sink.aborted == [[suspect]]
     assert kafka.ids() == wal.event_ids
     assert len(wal.starts) == 2
+
+
+def test_a_commit_kafka_made_but_librdkafka_reports_abortable_is_not_published_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """librdkafka's own words (rdkafka_txnmgr.c, rd_kafka_txn_handle_EndTxn, state
+    ABORTABLE_ERROR): "the transaction will have failed locally but the EndTxn(commit) may
+    have succeeded"; EndTxn then answered with an error, commit_transaction returns the
+    transaction's error as abortable. Here: the third commit's EndTxn(commit) reaches the
+    coordinator, which decides it (read_committed consumers see it), and the call reports an
+    abortable error. The abort's EndTxn(abort) meets a committed transaction:
+    INVALID_TXN_STATE, fatal. The sink takes that for "nothing of it is on Kafka", renews the
+    producer and replays the transaction from the checkpoint before it: every event of it
+    visible twice. Before the renewal (398b33b) the relay stopped there and a restart read the
+    checkpoint, which held the commit."""
+    wal = Wal(backlog())
+    kafka = Kafka()
+    coordinator, made = on_librdkafka(monkeypatch, kafka)
+    relay, _ = eos_relay(wal, kafka, max_events=7, sink=real_sink)
+    wal.on_idle = relay.request_stop
+    commits = [0]
+    from confluent_kafka import KafkaError, KafkaException
+    from memory_producer import Producer
+
+    commit = Producer.commit_transaction
+
+    def commit_reported_failed(self: Producer, timeout: float = -1) -> None:
+        commits[0] += 1
+        if commits[0] != 3:
+            return commit(self, timeout)
+        self._wait()
+        self._serve()
+        assert coordinator.end_txn(self.epoch, commit=True) == KafkaError.NO_ERROR  # decided
+        self.state = "AbortableError"
+        raise KafkaException(
+            KafkaError(
+                KafkaError._TIMED_OUT,
+                "EndTxn failed with REQUEST_TIMED_OUT but transaction had already failed due "
+                "to: Transaction timed out",
+                txn_requires_abort=True,
+            )
+        )
+
+    monkeypatch.setattr(Producer, "commit_transaction", commit_reported_failed)
+
+    try:
+        relay.stream(wal.tables)
+    except Exception:  # noqa: BLE001 - stopping is allowed; publishing twice is not
+        pass
+
+    assert ("EndTxn(abort)", "INVALID_TXN_STATE") in coordinator.answers
+    ids = kafka.ids()
+    assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} events visible twice"
+    assert ids == wal.event_ids[: len(ids)]
