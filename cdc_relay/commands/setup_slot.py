@@ -13,6 +13,7 @@ from cdc_relay.commands.options import (
     COLUMNS,
     MESSAGE_WRITERS,
     SHARDS,
+    Seconds,
     env_option,
     messages_option,
     several_tables_options,
@@ -24,6 +25,7 @@ from cdc_relay.events import OutboxLayout
 from cdc_relay.kafka.checkpoints import ensure_topic
 from cdc_relay.ops.handover import handover, republish
 from cdc_relay.postgres import failover
+from cdc_relay.postgres.failover_ready import wait_ready
 from cdc_relay.postgres.messages import writers_problem
 from cdc_relay.postgres.slot import setup
 from cdc_relay.relay.worker import PollSettings
@@ -86,6 +88,13 @@ from cdc_relay.relay.worker import PollSettings
     "the settings that needs on every host of --dsn.",
 )
 @env_option(
+    "--wait-failover-ready",
+    type=Seconds(0, 3600),
+    metavar="SECONDS",
+    help="With --failover: wait up to SECONDS for a standby among the hosts of --dsn to hold "
+    "a usable copy of the slot (synchronised, persistent), and exit 1 if none does by then.",
+)
+@env_option(
     "--exactly-once",
     is_flag=True,
     help="For stream --exactly-once: create the checkpoint topic (compacted) if it does not "
@@ -113,6 +122,7 @@ def setup_slot(
     header_columns: tuple[str, ...],
     create_table: bool,
     failover_slot: bool,
+    wait_failover_ready: float | None,
     exactly_once: bool,
     checkpoint_topic: str,
     messages: bool,
@@ -131,6 +141,11 @@ def setup_slot(
     """
     if exactly_once and not wire.kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
+    if wait_failover_ready is not None and (not failover_slot or dry_run):
+        raise UsageError(
+            "--wait-failover-ready waits for a standby's copy of a failover slot: give it with "
+            "--failover (and not --dry-run)"
+        )
     if messages and (problem := writers_problem(dsn, message_writers)):
         raise PreflightError(problem)
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
@@ -249,3 +264,19 @@ def setup_slot(
                 f"the slot would not survive a failover: {missing} setting"
                 f"{'' if missing == 1 else 's'} above missing (each line says what to run)"
             )
+        if wait_failover_ready is None:
+            click.echo(
+                "failover: a standby's copy is usable once synchronised and persistent; "
+                "cdc-relay status shows it, and status --require-failover-ready exits 0 from "
+                "then on (3 until then)"
+            )
+            return
+        for each in specs:
+            found = wait_ready(dsn, each.slot, wait_failover_ready)
+            if not found.ready:
+                raise PreflightError(
+                    f"after {wait_failover_ready:g} s, {found.reason} "
+                    "(cdc-relay status --require-failover-ready tells when one does)"
+                )
+            usable = ", ".join(copy.standby for copy in found.copies if copy.usable)
+            click.echo(f"failover: ready: {usable} holds a usable copy of slot {each.slot}")
