@@ -164,6 +164,14 @@ def test_the_window_before_the_standby_holds_a_usable_copy_is_reported_then_clea
         (found,) = json.loads(_status(pair, names, "--json").stdout)["failover"]["standbys"]
         assert found["usable"] and found["synced"] and not found["temporary"], found
         assert found["confirmed_lag_bytes"] >= 0 and found["restart_lag_bytes"] >= 0
+        waited = _cli(
+            "setup-slot", "--failover", "--wait-failover-ready", "30", "--dsn", pair.dsn,
+            "--slot", names.slot, "--publication", names.publication,
+        )  # fmt: skip
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        assert waited.stdout.splitlines()[-1] == (
+            f"failover: ready: {standby} holds a usable copy of slot {names.slot}"
+        )
         wait_until(lambda: _gauge(port, names.slot) == 1, 60, "the gauge at 1")
         samples = scrape(port)
         labels = f'{{slot="{names.slot}",standby="{standby}"}}'
