@@ -6,7 +6,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install test check lint typecheck unit integration demo bench clean
+.PHONY: install test check lint typecheck unit integration demo bench clean dist
 
 # Idempotent, and quick once everything is there.
 install:
@@ -33,6 +33,13 @@ integration: install
 .PHONY: test-deploy
 test-deploy: install
 	$(PY) -m pytest -m deploy tests/deploy
+
+# The release artifacts: the sdist, then the wheel built from it, in $(DIST); the version comes
+# from git (a tag vX.Y.Z makes X.Y.Z; see docs on releasing).
+DIST ?= dist
+dist: install
+	rm -f $(DIST)/cdc_relay-*
+	$(PY) -m build --outdir $(DIST) .
 
 # Every test, in two processes (pytest-xdist), each with its own PostgreSQL and Kafka; a test
 # file stays in one process, so its module's services (a second broker, a TLS one) start once.
