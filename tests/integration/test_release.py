@@ -79,8 +79,9 @@ def test_make_dist_builds_a_wheel_and_an_sdist_of_one_version(dist: Path) -> Non
     (sdist,) = dist.glob("cdc_relay-*.tar.gz")
     version = wheel.name.split("-")[1]
     assert sdist.name == f"cdc_relay-{version}.tar.gz"
-    # From git: a release tag's X.Y.Z, or a development version after it; never the fallback.
-    assert re.fullmatch(r"\d+\.\d+\.\d+(\.dev\d+\+g[0-9a-f]+(\.d\d{8})?)?", version), version
+    # From git: a release tag's X.Y.Z, or a development version after it (0.1.devN+gHASH in a
+    # clone without tags), never the fallback of a tree without git metadata.
+    assert re.fullmatch(r"\d+(\.\d+)+(\.dev\d+\+g[0-9a-f]+(\.d\d{8})?)?", version), version
 
 
 def test_the_installed_wheel_runs_its_console_script_and_schema_show(
