@@ -85,6 +85,8 @@ def log_options(func: F) -> F:
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
         default="INFO",
         show_default=True,
+        help="Write log lines of this severity and above: INFO includes the start-up and the "
+        "progress lines (--progress-interval), WARNING only what needs attention.",
     )(func)
 
 
