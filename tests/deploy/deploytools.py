@@ -43,6 +43,7 @@ METRICS = {
     "cdc_relay_events_in_flight": "gauge",
     "cdc_relay_seconds_since_last_event": "gauge",
     "cdc_relay_connected": "gauge",
+    "cdc_relay_standby": "gauge",
 }
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 # Their own labels; Prometheus adds the target's (namespace, pod, ...) when it scrapes.
