@@ -146,8 +146,10 @@ def observe_slot(row: Mapping[str, Any]) -> None:
     SLOT_SAFE_WAL.set(0 if invalidated else float("inf") if safe is None else safe)
 
 
-STALL_TIMEOUT = 60.0
-"""Seconds events may wait for Kafka with none acknowledged before the relay is not ready."""
+STALL_TIMEOUT = 120.0
+"""Seconds events may wait for Kafka with none acknowledged before the relay is not ready:
+longer than the longest Kafka transaction of stream --exactly-once (--transaction-interval,
+60 s at most), whose events are acknowledged only at its commit."""
 
 
 class Health:

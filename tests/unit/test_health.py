@@ -4,7 +4,14 @@ acknowledged meanwhile."""
 
 from __future__ import annotations
 
-from cdc_relay.metrics import Health
+from pathlib import Path
+
+import click
+
+from cdc_relay.commands.cli import cli
+from cdc_relay.metrics import STALL_TIMEOUT, Health
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Clock:
@@ -83,3 +90,16 @@ def test_a_new_health_is_alive_and_not_ready_until_the_relay_says() -> None:
     state = Health()
     assert state.alive() == (True, "ok")
     assert state.ready() == (False, "starting")
+
+
+def test_the_stall_timeout_outlasts_a_kafka_transaction_and_the_docs_say_it() -> None:
+    """Exactly once acknowledges events only at the Kafka transaction's commit: a relay
+    keeping one open for the longest --transaction-interval is moving, not stuck."""
+    interval = next(p for p in cli.commands["stream"].params if p.name == "transaction_interval")
+    assert isinstance(interval.type, click.FloatRange)
+    assert interval.type.max is not None and interval.type.max < STALL_TIMEOUT
+    said = f"waited {STALL_TIMEOUT:g} s for Kafka"
+    for path in (ROOT / "README.md", ROOT / "deploy" / "base" / "deployment.yaml"):
+        assert said in " ".join(path.read_text().split()), path
+    option = next(p for p in cli.commands["stream"].params if p.name == "metrics_port")
+    assert said in " ".join((option.help or "").split())
