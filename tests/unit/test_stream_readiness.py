@@ -1,12 +1,14 @@
 """What a stream relay tells Prometheus and the probes of its role and state, on the loop's
 in-memory stages (test_stream_loop): a standby says so (cdc_relay_standby), is connected to
 PostgreSQL while the server answers its attempts to take the slot, and ready only then; a
-relay whose events wait for Kafka with none acknowledged is not ready."""
+relay (stream or poll) whose events wait for Kafka with none acknowledged is not ready."""
 
 from __future__ import annotations
 
 import pytest
+from memory_outbox import MemoryOutbox
 from prometheus_client import REGISTRY
+from test_poll_loop import Relay
 from test_stream_loop import Wal, acked_ids, backlog, first_seen, relay_on
 
 from cdc_relay.metrics import Health
@@ -82,3 +84,32 @@ def test_not_ready_while_events_wait_for_kafka_with_none_acknowledged() -> None:
     assert any(not ok and reason.startswith(stuck) for ok, reason in looks)
     assert looks[-1] == (True, "ok")
     assert relay.health.alive() == (True, "ok")
+
+
+def test_a_poller_whose_rows_wait_for_kafka_with_none_acknowledged_is_not_ready() -> None:
+    """The same rule for poll: its workers' producers hold rows, Kafka acknowledges none."""
+    store = MemoryOutbox()
+    for n in range(10):
+        store.add(f"a{n % 3}")
+    relay = Relay(store, workers=2)
+    relay.relay.health = Health(stall_timeout=0.2)
+    relay.relay._listening = True  # the listener's connection, which poll() does not open
+    relay.setup = lambda sink: setattr(sink, "hold_all", True)
+    looks: list[tuple[bool, str]] = []
+
+    def stuck_then_released() -> bool:
+        looks.append(relay.relay.health.ready())
+        if not looks[-1][0]:
+            for sink in relay.sinks:
+                sink.hold_all = False
+        return store.done()
+
+    relay.run_until(stuck_then_released)
+
+    assert relay.error is None
+    assert looks[0] == (True, "ok")
+    assert any(
+        not ok and "events waiting for Kafka, none acknowledged for" in reason
+        for ok, reason in looks
+    )
+    assert looks[-1] == (True, "ok")
