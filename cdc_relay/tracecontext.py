@@ -5,7 +5,7 @@ The column holds one of two forms, told apart by what a traceparent never holds 
 digits and dashes):
 
 - a plain ``traceparent`` (``00-<trace id>-<parent id>-<flags>``): a value with no line
-  break, ``=`` or ``:``, sent as it is stored;
+  break, ``=`` or ``:`` (blanks around it aside), sent as it is stored;
 - ``java.util.Properties`` text with the keys ``traceparent`` and maybe ``tracestate``:
   what Debezium's outbox extension writes into its ``tracingspancontext`` column (an
   OpenTelemetry W3C propagator's injection, stored with ``Properties.store``: a date comment
@@ -83,7 +83,7 @@ def parse(value: bytes) -> TraceContext | None:
     text = value.decode(errors="replace")  # the database is UTF8 (checked at start-up)
     if not text.strip():
         return None
-    if _PROPERTIES_MARKS.search(text) is None:
+    if _PROPERTIES_MARKS.search(text.strip()) is None:
         return TraceContext(value, None, traceparent_problem(text))
     properties = load_properties(text)
     traceparent = properties.get(TRACEPARENT)
