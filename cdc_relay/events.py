@@ -270,8 +270,8 @@ class RowMapper:
             # migration that dropped it, and every event would go out without its trace.
             raise SchemaError(
                 f"table {relation.qualified_name} has no column {trace} (--trace-column); "
-                "add it, or name the right one, then restart the relay: it resumes after "
-                "the last event Kafka acknowledged"
+                "add it back, or restart the relay naming the right column or without "
+                "--trace-column: it resumes after the last event Kafka acknowledged"
             )
         # A header column that is gone is optional: the header is left out.
         headers = tuple(

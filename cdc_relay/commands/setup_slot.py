@@ -75,7 +75,7 @@ from cdc_relay.relay.worker import PollSettings
 )
 @trace_column_option(
     "With --republish-since or --from-poller (ignored otherwise, so that one setting serves "
-    "the relay and its set-up), as stream and poll do it: "
+    "the relay and its set-up), as stream and poll do. "
 )
 @env_option(
     "--create-table",
