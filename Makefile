@@ -76,7 +76,9 @@ fuzz: install
 	$(PY) -c 'import atheris' 2>/dev/null || $(VENV)/bin/pip install --quiet -e '.[fuzz]'
 	$(PY) tests/fuzz/fuzz_decoders.py --seconds $(FUZZ_SECONDS)
 
-demo: install
+# The demo needs the package alone: no linters, test or bench tools.
+demo:
+	bash .ci/install runtime
 	$(PY) demo/run.py
 
 # Every contestant on both workloads at full size, then a profile of `stream`; results in

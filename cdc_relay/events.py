@@ -15,6 +15,9 @@ from typing import Literal
 
 from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.lsn import Lsn
+from cdc_relay.tracecontext import NAMES as TRACE_HEADERS
+from cdc_relay.tracecontext import TraceContext
+from cdc_relay.tracecontext import parse as parse_trace
 
 # Microseconds between the Unix epoch and PostgreSQL's (2000-01-01 UTC).
 PG_EPOCH_OFFSET_US = 946_684_800_000_000
@@ -136,6 +139,8 @@ class OutboxEvent:
     # The outbox table of a row, (schema, name), as the relay named it at start (renames
     # do not move its events to other topics); None for a logical decoding message.
     source: tuple[str, str] | None = None
+    # What --trace-column holds (None: no such column, NULL, or nothing in it).
+    trace: TraceContext | None = None
 
 
 class SchemaError(RelayError):
@@ -151,7 +156,8 @@ last one (Java's ``Headers.lastHeader``) would take the column for the event's i
 
 @dataclass(frozen=True)
 class OutboxLayout:
-    """Which column holds which field of an event, and which extra columns become headers."""
+    """Which column holds which field of an event, which extra columns become headers, and
+    which holds the event's trace context (sent as the W3C headers traceparent, tracestate)."""
 
     id: str = "id"
     aggregate_type: str = "aggregate_type"
@@ -159,10 +165,17 @@ class OutboxLayout:
     event_type: str = "event_type"
     payload: str = "payload"
     header_columns: tuple[str, ...] = ()
+    trace_column: str | None = None
 
     @classmethod
-    def from_options(cls, mappings: Iterable[str], header_columns: Iterable[str]) -> OutboxLayout:
-        """From ``--column FIELD=COLUMN`` pairs and ``--header-column`` names."""
+    def from_options(
+        cls,
+        mappings: Iterable[str],
+        header_columns: Iterable[str],
+        trace_column: str | None = None,
+    ) -> OutboxLayout:
+        """From ``--column FIELD=COLUMN`` pairs, ``--header-column`` names and
+        ``--trace-column``."""
         names: dict[str, str] = {}
         for mapping in mappings:
             field, sep, column = mapping.partition("=")
@@ -187,10 +200,32 @@ class OutboxLayout:
                 )
             if headers.count(column) > 1:
                 raise UsageError(f"--header-column {column} is given twice; name it once")
-        return cls(**names, header_columns=headers)
+        check_trace_column(trace_column, headers)
+        return cls(**names, header_columns=headers, trace_column=trace_column)
 
     def column(self, field: str) -> str:
         return str(getattr(self, field))
+
+
+def check_trace_column(trace_column: str | None, header_columns: Iterable[str]) -> None:
+    """Refuse a ``--trace-column`` that ``--header-column`` would send too, and a header
+    column named like the trace headers: either would send a header twice."""
+    if trace_column is None:
+        return
+    if not trace_column.strip():
+        raise UsageError("--trace-column is empty; name the column that holds the traceparent")
+    for column in header_columns:
+        if column == trace_column:
+            raise UsageError(
+                f"--header-column {column} is the --trace-column too, which sends it as "
+                "traceparent (and tracestate); leave it out of --header-column"
+            )
+        if column.lower() in TRACE_HEADERS:
+            raise UsageError(
+                f"--header-column {column} would send a header named like the trace context "
+                f"of --trace-column {trace_column} ({', '.join(TRACE_HEADERS)}); rename the "
+                "column or leave it out"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +243,7 @@ class RowMapper:
     created_at: int | None = None  # position of a timestamp column named created_at
     payload_kind: PayloadKind = "json"
     source: tuple[str, str] | None = None  # the outbox table, for OutboxEvent.source
+    trace: int | None = None  # position of --trace-column
 
     @classmethod
     def for_relation(
@@ -227,6 +263,15 @@ class RowMapper:
                 f"table {relation.qualified_name} has no column {', '.join(missing)}; "
                 "restore it (see cdc-relay schema show outbox) or map yours with --column, "
                 "then restart the relay: it resumes after the last event Kafka acknowledged"
+            )
+        trace = layout.trace_column
+        if trace is not None and trace not in positions:
+            # Unlike a header column's, its absence is no choice: most likely a typo, or a
+            # migration that dropped it, and every event would go out without its trace.
+            raise SchemaError(
+                f"table {relation.qualified_name} has no column {trace} (--trace-column); "
+                "add it back, or restart the relay naming the right column or without "
+                "--trace-column: it resumes after the last event Kafka acknowledged"
             )
         # A header column that is gone is optional: the header is left out.
         headers = tuple(
@@ -248,6 +293,7 @@ class RowMapper:
             created_at=created_at,
             payload_kind=payload_kind(payload_type, payload_type in bytea_types),
             source=source,
+            trace=None if trace is None else positions[trace],
         )
 
     def event(self, row: Insert, begin: Begin) -> OutboxEvent:
@@ -273,6 +319,9 @@ class RowMapper:
         if type(payload) is not bytes or self.payload_is_bytea:
             payload = _payload(payload, self.payload_is_bytea)
         created_at = None if self.created_at is None else values[self.created_at]
+        trace = None
+        if self.trace is not None and type(stored := values[self.trace]) is bytes:
+            trace = parse_trace(stored)
         return OutboxEvent(
             event_id,
             type_text,
@@ -292,6 +341,7 @@ class RowMapper:
             created_at if type(created_at) is bytes else None,  # not NULL
             self.payload_kind,
             self.source,
+            trace,
         )
 
 

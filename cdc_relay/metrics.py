@@ -56,6 +56,11 @@ OUT_OF_SEQ_ORDER = Counter(
     "committed after that one went out.",
     ["relay"],
 )
+TRACE_CONTEXT_MALFORMED = Counter(
+    "outbox_trace_context_malformed",
+    "Events whose --trace-column held no W3C traceparent: sent as stored (a receiver ignores "
+    "it), each logged with its event id.",
+)
 DEAD_LETTERS = Gauge(
     "outbox_dead_letters",
     "Rows the poller gave up on (attempts >= max attempts).",

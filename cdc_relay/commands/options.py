@@ -143,6 +143,20 @@ COLUMNS = env_option(
     help="Map an event field (id, aggregate_type, aggregate_id, event_type, payload) to a "
     "column of your outbox table; repeatable.",
 )
+_TRACE_HELP = (
+    "Send the W3C trace context this column holds as the headers traceparent and tracestate "
+    "(with --cloudevents also ce_traceparent and ce_tracestate). The column holds a "
+    "traceparent (00-<trace id>-<parent id>-<flags>) or java.util.Properties text with "
+    "traceparent= and tracestate= lines (Debezium's tracingspancontext); NULL or empty: no "
+    "header. A malformed traceparent is sent as stored, logged and counted."
+)
+
+
+def trace_column_option(when: str = "") -> Callable[[F], F]:
+    """--trace-column; ``when`` says when a command uses it, before what it does."""
+    return env_option("--trace-column", metavar="COLUMN", help=when + _TRACE_HELP)
+
+
 SHARDS = env_option(
     "--shards",
     type=click.IntRange(1, MAX_SHARDS),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 
 from cdc_relay.commands.kafka_options import RelayOptions, relay_options
-from cdc_relay.commands.options import Seconds, env_option, outbox_options
+from cdc_relay.commands.options import Seconds, env_option, outbox_options, trace_column_option
 from cdc_relay.commands.relays import run_relay
+from cdc_relay.events import check_trace_column
 from cdc_relay.relay.poller import PollRelay
 from cdc_relay.relay.worker import PollSettings
 
@@ -60,6 +61,7 @@ from cdc_relay.relay.worker import PollSettings
     show_default=True,
     help="The longest wait between two tries of a row.",
 )
+@trace_column_option()
 def poll(
     relay: RelayOptions,
     dsn: str,
@@ -70,6 +72,7 @@ def poll(
     max_attempts: int,
     backoff_base: float,
     backoff_max: float,
+    trace_column: str | None,
 ) -> None:
     """Publish the outbox by polling it: no replication slot needed.
 
@@ -78,6 +81,7 @@ def poll(
     marks them processed. Stops cleanly on SIGTERM or Ctrl-C: finishes or releases the
     current batches, exits 0.
     """
+    check_trace_column(trace_column, ())
     health = relay.start()
     settings = PollSettings(
         **relay.settings(dsn, table).shared(),
@@ -88,5 +92,6 @@ def poll(
         max_attempts=max_attempts,
         backoff_base=backoff_base,
         backoff_max=max(backoff_max, backoff_base),
+        trace_column=trace_column,
     )
     run_relay(PollRelay(settings, health))

@@ -19,9 +19,10 @@ from cdc_relay.commands.options import (
     several_tables_options,
     since,
     slot_specs,
+    trace_column_option,
 )
 from cdc_relay.errors import PreflightError, UsageError
-from cdc_relay.events import OutboxLayout
+from cdc_relay.events import OutboxLayout, check_trace_column
 from cdc_relay.kafka.checkpoints import ensure_topic
 from cdc_relay.ops.handover import handover, republish
 from cdc_relay.postgres import failover
@@ -74,6 +75,10 @@ from cdc_relay.relay.worker import PollSettings
     metavar="COLUMN",
     help="With --republish-since: send this column as a header, as stream does; repeatable.",
 )
+@trace_column_option(
+    "With --republish-since or --from-poller (ignored otherwise, so that one setting serves "
+    "the relay and its set-up), as stream and poll do. "
+)
 @env_option(
     "--create-table",
     is_flag=True,
@@ -120,6 +125,7 @@ def setup_slot(
     republish_since: datetime | timedelta | None,
     accept_gap: bool,
     header_columns: tuple[str, ...],
+    trace_column: str | None,
     create_table: bool,
     failover_slot: bool,
     wait_failover_ready: float | None,
@@ -139,6 +145,7 @@ def setup_slot(
     table is created first. With --exactly-once, the checkpoint topic too. With --table given
     more than once, one publication holds every table.
     """
+    check_trace_column(trace_column, header_columns)
     if exactly_once and not wire.kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
     if wait_failover_ready is not None and (not failover_slot or dry_run):
@@ -165,7 +172,11 @@ def setup_slot(
     def publishing() -> PollSettings:
         """The settings of a job that publishes rows before it makes the slot."""
         logs.configure()
-        return PollSettings(**wire.settings(dsn, table, header_columns).shared(), table=table)
+        return PollSettings(
+            **wire.settings(dsn, table, header_columns).shared(),
+            table=table,
+            trace_column=trace_column,
+        )
 
     if exactly_once and wire.kafka_bootstrap:
         # First, whatever the slot's way of being made: the topic does not depend on it.
@@ -200,8 +211,8 @@ def setup_slot(
             )
         if not wire.kafka_bootstrap:
             raise UsageError("--republish-since publishes rows again: give --kafka-bootstrap")
+        layout = OutboxLayout.from_options(columns, header_columns, trace_column)
         settings = publishing()
-        layout = OutboxLayout.from_options(columns, header_columns)
         for line in republish(settings, spec, republish_since, layout).lines:
             click.echo(line)
         return

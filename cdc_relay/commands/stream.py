@@ -12,6 +12,7 @@ from cdc_relay.commands.options import (
     env_option,
     messages_option,
     several_tables_options,
+    trace_column_option,
 )
 from cdc_relay.commands.relays import run_relay
 from cdc_relay.errors import UsageError
@@ -54,6 +55,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Sha
     help="Send this column of the outbox table as a header of the same name; repeatable "
     "(not id, event_type or aggregate_type, which every message carries).",
 )
+@trace_column_option()
 @env_option(
     "--message-prefix",
     default="outbox",
@@ -121,6 +123,7 @@ def stream(
     columns: tuple[str, ...],
     shard: Shard | None,
     header_columns: tuple[str, ...],
+    trace_column: str | None,
     message_prefix: str,
     messages: bool,
     message_writers: tuple[str, ...],
@@ -151,7 +154,7 @@ def stream(
         publication=shard.name(publication) if shard else publication,
         tables=tables,
         status_interval=status_interval,
-        layout=OutboxLayout.from_options(columns, header_columns),
+        layout=OutboxLayout.from_options(columns, header_columns, trace_column),
         message_prefix=message_prefix,
         messages=Messages(messages, ignore_messages, message_writers),
         dead_letter_topic=dead_letter_topic,

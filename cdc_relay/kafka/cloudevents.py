@@ -3,6 +3,11 @@
 The message stays as it is (key, value, the relay's own headers); the event's context
 attributes are added as ``ce_*`` headers and its data's media type as ``content-type``. Both
 relays build them here from the same ``OutboxEvent`` fields, so both send the same bytes.
+
+With ``--trace-column``, the Distributed Tracing extension's attributes too (``ce_traceparent``,
+``ce_tracestate``): the trace the event started in, the same as the W3C ``traceparent`` and
+``tracestate`` headers the message carries (one hop, the relay's own span not among them), and
+only for a valid traceparent, which the extension requires.
 """
 
 from __future__ import annotations
@@ -141,9 +146,9 @@ class CloudEvents:
     source: str
 
     def headers(self, event: OutboxEvent) -> list[tuple[str, bytes]]:
-        """``ce_specversion``, ``ce_id``, ``ce_source``, ``ce_type``, then ``ce_time`` and
-        ``ce_subject`` when the event has them, and ``content-type``; a SchemaError when a
-        required attribute cannot be made."""
+        """``ce_specversion``, ``ce_id``, ``ce_source``, ``ce_type``, then ``ce_time``,
+        ``ce_subject``, ``ce_traceparent`` and ``ce_tracestate`` when the event has them, and
+        ``content-type``; a SchemaError when a required attribute cannot be made."""
         for attribute, field, value in (
             ("ce_id", "id", event.id),
             ("ce_type", "event_type", event.event_type),
@@ -169,6 +174,12 @@ class CloudEvents:
         subject = event.aggregate_id
         if subject is not None and _problem(subject) is None:
             headers.append(("ce_subject", subject.encode()))
+        trace = event.trace
+        if trace is not None and trace.valid and trace.traceparent is not None:
+            headers.append(("ce_traceparent", trace.traceparent))
+            state = trace.tracestate
+            if state is not None and _problem(state.decode(errors="replace")) is None:
+                headers.append(("ce_tracestate", state))
         headers.append(("content-type", CONTENT_TYPES[event.payload_kind]))
         return headers
 

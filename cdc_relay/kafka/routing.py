@@ -7,6 +7,7 @@ messages on the wire.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import string
 import threading
@@ -16,6 +17,9 @@ from cdc_relay.errors import UsageError
 from cdc_relay.events import HEADERS, OutboxEvent, SchemaError
 from cdc_relay.kafka.cloudevents import CloudEvents
 from cdc_relay.lsn import Lsn
+from cdc_relay.metrics import TRACE_CONTEXT_MALFORMED
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TOPIC_TEMPLATE = "outbox.event.{aggregate_type}"
 TEMPLATE_FIELDS = frozenset({"aggregate_type", "event_type", "schema", "table"})
@@ -130,8 +134,9 @@ def check_template(template: str) -> str:
 
 
 class Router:
-    """Routes events to topics; key = aggregate_id, value = the payload bytes as stored; with
-    ``cloudevents``, the CloudEvents headers after the others.
+    """Routes events to topics; key = aggregate_id, value = the payload bytes as stored;
+    headers: the event's own three, its header columns, its trace context (``traceparent``,
+    ``tracestate``), and with ``cloudevents`` the CloudEvents headers after the others.
 
     ``by_table``: the relay names each event's outbox table (``OutboxEvent.source``), so the
     template may use ``{schema}`` and ``{table}``; otherwise they are refused here, at start-up.
@@ -179,6 +184,10 @@ class Router:
         ]
         if event.headers:
             headers.extend(event.headers)
+        if event.trace is not None:
+            headers.extend(event.trace.headers())
+            if event.trace.problem is not None:
+                _malformed(event)
         if cloudevents:
             headers.extend(cloudevents)
         # Per event: the common cases inline (a cached topic, a payload), the rest in methods.
@@ -270,3 +279,34 @@ class Router:
             "written keep their name: stream sets them aside with --dead-letter-topic, poll "
             "after --max-attempts"
         )
+
+
+def _malformed(event: OutboxEvent) -> None:
+    """Tell of a trace context that is no W3C one. A traceparent goes out as stored (a W3C
+    receiver ignores a malformed one and starts a trace of its own), so nothing the
+    application wrote is lost; the log names the event, the counter totals them."""
+    TRACE_CONTEXT_MALFORMED.inc()
+    trace = event.trace
+    if trace is None:
+        return
+    if trace.traceparent is None:
+        what = f"the --trace-column value {trace.problem}; write traceparent (and tracestate) there"
+    else:
+        what = (
+            f"its traceparent {trace.traceparent.decode(errors='replace')!r} (--trace-column) "
+            f"{trace.problem}; sent as stored, a receiver ignores it (and with --cloudevents "
+            "no ce_traceparent): fix what the application writes there"
+        )
+    log.warning(
+        "event %s (%s, aggregate %s): %s",
+        event.id,
+        event.event_type,
+        event.aggregate_id,
+        what,
+        extra={
+            "action": "trace_context_malformed",
+            "event_id": event.id,
+            "event_type": event.event_type,
+            "aggregate_id": event.aggregate_id,
+        },
+    )

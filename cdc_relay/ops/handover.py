@@ -136,6 +136,9 @@ def republish(
             payload_column=sql.Identifier(layout.payload),
             header_values=sql.Composed(values),
             headers=sql.Composed([sql.SQL(", t.") + alias for alias in aliases]),
+            trace_column=sql.SQL("")
+            if layout.trace_column is None
+            else sql.SQL(", s.") + sql.Identifier(layout.trace_column),
             **columns,
         )
         return Backlog(
@@ -235,7 +238,7 @@ def _check_handover(
     conn: psycopg.Connection[dict[str, Any]], settings: PollSettings, spec: SlotSpec
 ) -> Outbox:
     """Take the outbox's lock for the whole handover and check what it needs; the outbox."""
-    outbox = resolve(conn, settings.table)
+    outbox = resolve(conn, settings.table, trace_column=settings.trace_column)
     if not (conn.execute(QUERIES["handover_lock"], outbox.lock).fetchone() or {}).get("locked"):
         holders = conn.execute(QUERIES["pollers"], outbox.lock).fetchall()
         pids = ", ".join(str(r["pid"]) for r in holders)
@@ -309,7 +312,7 @@ def _check_republish(
 ) -> tuple[Outbox, datetime, tuple[str, ...]]:
     """Check what the republish needs; the outbox, the moment ``since`` means, and the header
     columns the table has (one that is not there is left out, as ``stream`` does)."""
-    outbox = resolve(conn, settings.table, layout.payload)
+    outbox = resolve(conn, settings.table, layout.payload, layout.trace_column)
     if conn.execute(QUERIES["slot"], {"slot": spec.slot}).fetchone():
         raise PreflightError(
             f"slot {spec.slot} exists already, so it cannot start where the republish ends; "

@@ -27,6 +27,7 @@ from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
 from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
+from cdc_relay.tracecontext import parse as parse_trace
 
 FENCES = "cdc_relay_handovers"
 """Schema poller's table of handovers to stream, which fence the pollers off a table."""
@@ -52,6 +53,7 @@ class OutboxRow:
     headers: tuple[tuple[str, bytes], ...] = ()  # --header-column values (a republish's)
     seq: int | None = None  # the claim's: the row's place in the queue
     key: int | None = None  # the claim's: its aggregate's lock key (claim_aggregates)
+    trace: str | None = None  # the --trace-column's text (None: no such column, or NULL)
 
     @property
     def aggregate(self) -> tuple[str, str]:
@@ -70,6 +72,7 @@ class OutboxRow:
             headers=self.headers,
             created_at=None if self.created_at is None else self.created_at.encode(),
             payload_kind=self.payload_kind,
+            trace=None if self.trace is None else parse_trace(self.trace.encode()),
         )
 
 
@@ -88,6 +91,7 @@ class Outbox:
     payload_bytea: bool  # bytea, or a domain over it
     created_at: bool = False  # a created_at column of a timestamp type
     published_index: bool = False  # an index serves published_after (schema poller's)
+    trace_column: str | None = None  # --trace-column, read with every row (trace_text)
 
     @property
     def qualified(self) -> str:
@@ -121,8 +125,14 @@ class Outbox:
         expression is chosen here, once: a bytea payload goes out as the bytes stored, any other
         type as its text (the bytes pgoutput sends, so both relays publish the same value)."""
         payload = QUERIES["payload_bytes" if self.payload_bytea else "payload_text"]
+        trace = (
+            sql.SQL("")
+            if self.trace_column is None
+            else sql.SQL(QUERIES["trace_text"]).format(column=sql.Identifier(self.trace_column))
+        )
         return sql.SQL(QUERIES[name]).format(
             table=self.table.identifier,
+            trace=trace,
             payload=sql.SQL(payload),
             created_at=sql.SQL(QUERIES["created_at_text" if self.created_at else "no_created_at"]),
             payload_kind=sql.Literal(payload_kind(self.payload_type, self.payload_bytea)),
@@ -141,10 +151,13 @@ class Outbox:
 
 
 def resolve(
-    conn: psycopg.Connection[dict[str, Any]], table: str, payload_column: str = "payload"
+    conn: psycopg.Connection[dict[str, Any]],
+    table: str,
+    payload_column: str = "payload",
+    trace_column: str | None = None,
 ) -> Outbox:
-    """The outbox table ``table`` names, its payload in ``payload_column``; PreflightError if
-    there is none."""
+    """The outbox table ``table`` names, its payload in ``payload_column``, its trace context
+    in ``trace_column`` (--trace-column); PreflightError if there is no such table or column."""
     try:
         found = find_table(conn, table)
     except psycopg.OperationalError:
@@ -165,13 +178,30 @@ def resolve(
         or {}
     )
     index = conn.execute(QUERIES["published_index"], {"oid": found.oid}).fetchone() or {}
+    check_trace_column(conn, found, trace_column)
     return Outbox(
         found,
         payload.get("payload_type"),
         bool(payload.get("payload_bytea")),
         payload.get("created_at_type") in TIMESTAMP_OIDS,
         bool(index.get("present")),
+        trace_column,
     )
+
+
+def check_trace_column(
+    conn: psycopg.Connection[dict[str, Any]], table: OutboxTable, column: str | None
+) -> None:
+    """Refuse a ``--trace-column`` the outbox table lacks: most likely a typo, and every event
+    would go out without its trace context."""
+    if column is None:
+        return
+    found = conn.execute(QUERIES["republish_columns"], {"oid": table.oid, "columns": [column]})
+    if (found.fetchone() or {}).get("missing"):
+        raise PreflightError(
+            f"table {table.qualified} has no column {column} (--trace-column); add it, or name "
+            "the column that holds the traceparent"
+        )
 
 
 def check_columns(conn: psycopg.Connection[dict[str, Any]], outbox: Outbox) -> None:

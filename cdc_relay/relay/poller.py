@@ -172,7 +172,7 @@ class PollRelay:
     def _check_database(self) -> Outbox:
         """The table has the poller's columns and no handover runs on it; returns it."""
         with connect(self.conninfo) as conn:
-            outbox = resolve(conn, self.settings.table)
+            outbox = resolve(conn, self.settings.table, trace_column=self.settings.trace_column)
             check_columns(conn, outbox)
             trigger = conn.execute(QUERIES["poll_trigger"], {"oid": outbox.table.oid})
             found = trigger.fetchone() or {}

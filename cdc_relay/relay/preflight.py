@@ -22,6 +22,7 @@ from cdc_relay.postgres import failover, gaps
 from cdc_relay.postgres.connection import check_encoding, connect
 from cdc_relay.postgres.coverage import PLUGINS, besides_problem, coverage_problem
 from cdc_relay.postgres.messages import check_writers
+from cdc_relay.postgres.store import check_trace_column
 from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
 from cdc_relay.relay.cut import AfterCut
@@ -95,6 +96,8 @@ def check_database(
                     f"{table.qualified} is partitioned, and wal2json names each row by its "
                     "partition; use a pgoutput slot (cdc-relay setup-slot --plugin pgoutput)"
                 )
+        for table in tables:
+            check_trace_column(conn, table, settings.layout.trace_column)
         if slot["plugin"] == "wal2json":
             problem = besides_problem(conn, settings.publication, tables)
             if problem:

@@ -62,6 +62,7 @@ class PollSettings(RelaySettings):
     max_attempts: int = 10
     backoff_base: float = 1.0
     backoff_max: float = 300.0
+    trace_column: str | None = None  # --trace-column: the W3C trace context of each row
 
 
 def backoff(

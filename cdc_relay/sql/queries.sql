@@ -417,11 +417,12 @@ FROM (
 -- {payload} is payload_bytes or payload_text, chosen by the column's type at start; its type
 -- comes along, so a column retyped while the poller runs is noticed before a row is published.
 -- {created_at} is created_at_text or no_created_at, {payload_kind} the kind of the payload
--- column (routing needs both for --cloudevents).
+-- column (routing needs both for --cloudevents); {trace} is trace_text (--trace-column) or
+-- nothing.
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
        {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq,
-       hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) AS key
+       hashtext(t.aggregate_type || '/' || coalesce(t.aggregate_id, '')) AS key{trace}
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
@@ -615,10 +616,10 @@ SET TRANSACTION SNAPSHOT {snapshot}
 
 -- unprocessed --
 -- Every row not yet published, oldest first, as of the transaction's snapshot; {payload},
--- {created_at} and {payload_kind} as in claim
+-- {created_at}, {payload_kind} and {trace} as in claim
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
-       {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq
+       {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq{trace}
 FROM {table} AS t
 WHERE t.processed_at IS NULL
 ORDER BY t.seq
@@ -629,16 +630,21 @@ ORDER BY t.seq
 -- SELECT names the columns of --column as the fields ({id}, ...: identifiers), and reads the
 -- --header-column values ({header_values}: header_value, each after a comma) that the outer
 -- one passes on ({headers}); a table without the poller's columns has no attempts.
--- {payload}, {created_at} and {payload_kind} as in claim
+-- {payload}, {created_at}, {payload_kind} and {trace} as in claim; {trace_column} passes the
+-- --trace-column on (nothing without one).
 SELECT t.id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, 0 AS attempts,
-       {created_at} AS created_at, {payload_kind} AS payload_kind{headers}
+       {created_at} AS created_at, {payload_kind} AS payload_kind{trace}{headers}
 FROM (SELECT s.{id}::text AS id, s.{aggregate_type}::text AS aggregate_type,
              s.{aggregate_id}::text AS aggregate_id, s.{event_type}::text AS event_type,
-             s.{payload_column} AS payload, s.created_at, s.seq{header_values}
+             s.{payload_column} AS payload, s.created_at, s.seq{trace_column}{header_values}
       FROM {table} AS s) AS t
 WHERE t.created_at >= %(since)s::timestamptz OR t.created_at IS NULL
 ORDER BY t.seq
+
+-- trace_text --
+-- The --trace-column of a row, after a comma: its text, as pgoutput sends it (NULL: none)
+, t.{column}::text AS trace
 
 -- header_value --
 -- A --header-column of a republish: its text in the database's encoding, the bytes pgoutput
@@ -646,7 +652,7 @@ ORDER BY t.seq
 convert_to(s.{column}::text, getdatabaseencoding()) AS {alias}
 
 -- republish_columns --
--- Which of the columns the republish reads the outbox table lacks
+-- Which of the columns `columns` the outbox table lacks (the republish's, --trace-column)
 SELECT array(
     SELECT unnest(%(columns)s::text[])
     EXCEPT

@@ -82,6 +82,12 @@ class Event:
     tenant: str | None = None
     region: str | None = None
     created_at: str | None = "now"  # timestamptz input ('now': the transaction's start)
+    trace: str | None = None  # the --trace-column's value (tracingspancontext)
+    # What the trace column must become: the traceparent and tracestate headers (written out
+    # here, not derived by the code under test), and whether the traceparent is a valid one
+    # (with --cloudevents: ce_traceparent and ce_tracestate then carry the same values).
+    trace_headers: tuple[tuple[str, str], ...] = ()
+    trace_valid: bool = True
 
     @property
     def id(self) -> str:
@@ -110,6 +116,10 @@ class GoldenFile:
     @property
     def cloudevents_source(self) -> str | None:
         return dict(self.options).get("cloudevents_source")
+
+    @property
+    def trace_column(self) -> str | None:
+        return dict(self.options).get("trace_column")
 
     @property
     def file(self) -> Path:
@@ -320,7 +330,98 @@ CLOUDEVENTS = GoldenFile(
     ),
 )
 
-GOLDEN_FILES = (OUTBOX, HEADER_COLUMNS_FILE, TEXT_PAYLOAD, BYTEA_PAYLOAD, CLOUDEVENTS)
+# --trace-column: the W3C trace context as applications store it. Debezium's outbox extension
+# writes java.util.Properties.store's text (a date comment, "=" and ":" escaped in values).
+PARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+STATE = "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"
+DEBEZIUM = (
+    f"#Tue Dec 02 15:16:00 UTC 2026\ntraceparent={PARENT}\n"
+    "tracestate=rojo\\=00f067aa0ba902b7,congo\\=t61rcWkgMzE\n"
+)
+PLAIN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+MALFORMED = "00-0AF7651916CD43DD8448EB211C80319C-x-01"  # uppercase, a short parent id
+LATER = "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-what-a-later-version-adds"
+TRACES = (
+    (
+        ("plain", "p-1", "created", PLAIN, (("traceparent", PLAIN),), True),
+        ("debezium", "p-1", "packed", DEBEZIUM, (("traceparent", PARENT), ("tracestate", STATE))),
+        ("none", "p-2", "created", None, ()),
+    ),
+    (
+        (
+            "debezium, CRLF, no tracestate",
+            "p-2",
+            "sent",
+            f"#Tue Dec 02 15:16:00 UTC 2026\r\ntraceparent={PARENT}\r\n",
+            (("traceparent", PARENT),),
+        ),
+        # as stored: a receiver ignores it; with --cloudevents no ce_traceparent
+        ("malformed", "p-3", "lost", MALFORMED, (("traceparent", MALFORMED),), False),
+        ("empty", "p-3", "found", "", ()),
+        # OpenTracing's Jaeger key, no traceparent: nothing to send (logged)
+        ("no traceparent", "p-3", "returned", "#x\nuber-trace-id=a\\:b\\:0\\:1\n", (), False),
+        ("later version", "p-4", "created", LATER, (("traceparent", LATER),)),
+    ),
+)
+
+
+def _traced(first: int, aggregate_type: str) -> tuple[tuple[Event, ...], ...]:
+    """The trace scenario as events of ``aggregate_type``, ids from ``first``; each created at
+    a fixed moment (ce_time of --cloudevents)."""
+    n = first
+    transactions = []
+    for transaction in TRACES:
+        events = []
+        for what, key, verb, stored, headers, *valid in transaction:
+            events.append(
+                Event(
+                    n,
+                    aggregate_type,
+                    key,
+                    f"{aggregate_type}.{verb}",
+                    json.dumps({"trace": what}),
+                    created_at=f"2026-12-02 15:16:{n % 60:02d}+00",
+                    trace=stored,
+                    trace_headers=headers,
+                    trace_valid=valid[0] if valid else bool(headers),
+                )
+            )
+            n += 1
+        transactions.append(tuple(events))
+    return tuple(transactions)
+
+
+TRACE_CONTEXT = GoldenFile(
+    name="trace_context",
+    table="outbox_trace",
+    payload_type="jsonb",
+    transactions=_traced(41, "shipment"),
+    paths=(*STREAM_PATHS, "poll"),
+    options=(("trace_column", "tracingspancontext"),),
+)
+
+TRACE_CLOUDEVENTS = GoldenFile(
+    name="trace_cloudevents",
+    table="outbox_trace_cloudevents",
+    payload_type="jsonb",
+    transactions=_traced(51, "crate"),
+    paths=(*STREAM_PATHS, "poll"),
+    options=(
+        ("trace_column", "tracingspancontext"),
+        ("cloudevents", "true"),
+        ("cloudevents_source", "/cdc-relay/shop/public.outbox_trace_cloudevents"),
+    ),
+)
+
+GOLDEN_FILES = (
+    OUTBOX,
+    HEADER_COLUMNS_FILE,
+    TEXT_PAYLOAD,
+    BYTEA_PAYLOAD,
+    CLOUDEVENTS,
+    TRACE_CONTEXT,
+    TRACE_CLOUDEVENTS,
+)
 
 # Why a path does not reproduce a golden file: it cannot write or relay those events.
 ABSENT = {
@@ -333,6 +434,10 @@ ABSENT = {
     ("bytea_payload", "message-wal2json"): "outbox_emit() takes jsonb: no raw bytes",
     ("cloudevents", "message-pgoutput"): "outbox_emit() carries no created_at: no ce_time",
     ("cloudevents", "message-wal2json"): "outbox_emit() carries no created_at: no ce_time",
+    ("trace_context", "message-pgoutput"): "outbox_emit() carries no trace column",
+    ("trace_context", "message-wal2json"): "outbox_emit() carries no trace column",
+    ("trace_cloudevents", "message-pgoutput"): "outbox_emit() carries no trace column",
+    ("trace_cloudevents", "message-wal2json"): "outbox_emit() carries no trace column",
 }
 
 
@@ -429,13 +534,13 @@ def random_partition_order_problems(messages: Sequence[Received], golden: Golden
 
 
 def prepare_tables(dsn: str, goldens: Sequence[GoldenFile]) -> None:
-    """outbox_events with a nullable key and payload and two header columns, and the tables of
-    the other payload types, shaped like it."""
+    """outbox_events with a nullable key and payload, two header columns and a trace column,
+    and the tables of the other golden files, shaped like it."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(
             "ALTER TABLE outbox_events ALTER COLUMN aggregate_id DROP NOT NULL,"
             " ALTER COLUMN payload DROP NOT NULL, ALTER COLUMN created_at DROP NOT NULL,"
-            " ADD COLUMN tenant text, ADD COLUMN region text"
+            " ADD COLUMN tenant text, ADD COLUMN region text, ADD COLUMN tracingspancontext text"
         )
         for golden in goldens:
             if golden.table == "outbox_events":
@@ -471,9 +576,9 @@ def write_scenario(dsn: str, golden: GoldenFile, as_messages: bool) -> None:
     else:
         statement = sql.SQL(
             "INSERT INTO {} (id, aggregate_type, aggregate_id, event_type, payload, tenant,"
-            " region, created_at) VALUES (%(id)s::uuid, %(aggregate_type)s, %(aggregate_id)s,"
-            " %(event_type)s, %(payload)s::{}, %(tenant)s, %(region)s,"
-            " %(created_at)s::timestamptz)"
+            " region, created_at, tracingspancontext) VALUES (%(id)s::uuid, %(aggregate_type)s,"
+            " %(aggregate_id)s, %(event_type)s, %(payload)s::{}, %(tenant)s, %(region)s,"
+            " %(created_at)s::timestamptz, %(trace)s)"
         ).format(sql.Identifier(golden.table), sql.SQL(golden.payload_type))
     with psycopg.connect(dsn) as conn:
         for transaction in golden.transactions:
@@ -490,6 +595,7 @@ def write_scenario(dsn: str, golden: GoldenFile, as_messages: bool) -> None:
                             "tenant": event.tenant,
                             "region": event.region,
                             "created_at": event.created_at,
+                            "trace": event.trace,
                         },
                     )
 
@@ -525,6 +631,8 @@ def stored_messages(dsn: str, golden: GoldenFile) -> dict[str, tuple[Any, ...]]:
                 extra = getattr(event, column)
                 if extra is not None:
                     headers.append((column, extra.encode()))
+            if golden.trace_column:
+                headers += [(name, value.encode()) for name, value in event.trace_headers]
             if golden.cloudevents_source:
                 headers += [
                     ("ce_specversion", b"1.0"),
@@ -537,6 +645,8 @@ def stored_messages(dsn: str, golden: GoldenFile) -> dict[str, tuple[Any, ...]]:
                 subject = event.aggregate_id
                 if subject and not re.search("[\x00-\x1f\x7f-\x9f]", subject):
                     headers.append(("ce_subject", subject.encode()))
+                if golden.trace_column and event.trace_valid:
+                    headers += [(f"ce_{n}", v.encode()) for n, v in event.trace_headers]
                 headers.append(("content-type", CONTENT_TYPES[golden.payload_type]))
             key = None if event.aggregate_id is None else event.aggregate_id.encode()
             expected[event.id] = (key, value, tuple(headers))

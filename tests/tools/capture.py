@@ -3,13 +3,16 @@
     python tests/tools/capture.py "host=... dbname=..." tests/unit/data
     python tests/tools/capture.py "host=... dbname=..." tests/unit/data --positions
     python tests/tools/capture.py "host=... dbname=..." tests/unit/data --cut
+    python tests/tools/capture.py "host=... dbname=..." tests/unit/data --trace
 
 Runs a small workload, streams it through two temporary slots (pgoutput with
 ``messages 'true'``, and wal2json format-version 2 with the options the relay uses) and
 writes one JSON line per XLogData message to pgoutput.jsonl and wal2json.jsonl: the label of
 the step that caused it and the message bytes in hex. With ``--positions``, the workload of
 units that share a position (POSITION_STEPS) goes to pgoutput-positions.jsonl and
-wal2json-positions.jsonl instead. Needs a database where sql/outbox.sql
+wal2json-positions.jsonl instead; with ``--trace``, rows with a trace column
+(TRACE_STEPS) go to pgoutput-trace.jsonl and wal2json-trace.jsonl. Needs a database where
+sql/outbox.sql
 was applied, and the wal2json plugin installed.
 """
 
@@ -123,6 +126,46 @@ CUT_STEPS = [
 ]
 
 
+# --trace-column's values as applications store them (tests/unit/test_trace_context.py): a
+# plain traceparent, and java.util.Properties text as Debezium's outbox extension writes into its
+# tracingspancontext column (Properties.store: a date comment, "=" and ":" escaped in values).
+_TRACE_INSERT = (
+    "INSERT INTO outbox_events (id, aggregate_type, aggregate_id, event_type, payload, "
+    "tracingspancontext) VALUES ('6f1c1b7e-2a51-4c43-9d0e-7ace000000%s', 'order', 'o-t', "
+    "'order.traced', '{}', %s)"
+)
+TRACE_STEPS = [
+    ("trace column", "ALTER TABLE outbox_events ADD COLUMN IF NOT EXISTS tracingspancontext text"),
+    (
+        "plain traceparent",
+        _TRACE_INSERT % ("01", "'00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01'"),
+    ),
+    (
+        "debezium properties",
+        _TRACE_INSERT
+        % (
+            "02",
+            "E'#Tue Dec 02 15:16:00 UTC 2026\\n"
+            "traceparent=00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01\\n"
+            "tracestate=rojo\\\\=00f067aa0ba902b7,congo\\\\=t61rcWkgMzE\\n'",
+        ),
+    ),
+    (
+        "properties without tracestate",
+        _TRACE_INSERT
+        % (
+            "03",
+            "E'#Tue Dec 02 15:16:00 UTC 2026\\r\\n"
+            "traceparent=00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00\\r\\n'",
+        ),
+    ),
+    ("null trace", _TRACE_INSERT % ("04", "NULL")),
+    ("malformed traceparent", _TRACE_INSERT % ("05", "'00-0AF7651916CD43DD8448EB211C80319C-x-01'")),
+    ("empty trace", _TRACE_INSERT % ("06", "''")),
+    ("drop trace column", "ALTER TABLE outbox_events DROP COLUMN IF EXISTS tracingspancontext"),
+]
+
+
 SLOTS = {
     "pgoutput": (
         "capture_pgoutput",
@@ -199,5 +242,7 @@ if __name__ == "__main__":
         main(sys.argv[1], sys.argv[2], POSITION_STEPS, "-positions")
     elif sys.argv[3:] == ["--cut"]:
         main(sys.argv[1], sys.argv[2], CUT_STEPS, "-cut")
+    elif sys.argv[3:] == ["--trace"]:
+        main(sys.argv[1], sys.argv[2], TRACE_STEPS, "-trace")
     else:
         main(sys.argv[1], sys.argv[2])
