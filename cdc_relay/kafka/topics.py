@@ -144,10 +144,13 @@ def request(admin: AdminClient, topic: str, spec: TopicSpec) -> Future[None]:
     return future
 
 
-def outcome(topic: str, spec: TopicSpec, future: Future[None]) -> bool:
+_BEFORE_EVENT = "; nothing from its first event on was confirmed"
+
+
+def outcome(topic: str, spec: TopicSpec, future: Future[None], after: str = _BEFORE_EVENT) -> bool:
     """Kafka's answer to a done creation: True if it made the topic, False if it had it
-    (another relay made it meanwhile); TopicNotCreated when it refused, Unanswered when a
-    later try may do."""
+    (another relay made it meanwhile); TopicNotCreated when it refused (its line ends with
+    ``after``), Unanswered when a later try may do."""
     try:
         future.result(timeout=0)
     except KafkaException as exc:
@@ -159,20 +162,20 @@ def outcome(topic: str, spec: TopicSpec, future: Future[None]) -> bool:
             raise TopicNotCreated(
                 f"Kafka refused to create topic {topic} ({err.str()}): grant the relay's "
                 "principal CREATE on the topic (or on the cluster) and DESCRIBE_CONFIGS on it, "
-                "or create the topic yourself; nothing from its first event on was confirmed"
+                f"or create the topic yourself{after}"
             ) from None
         if code in _INVALID:
             raise TopicNotCreated(
                 f"Kafka would not create topic {topic} with {spec.describe(topic)}: "
                 f"{err.str()}; fix --topic-partitions, --topic-replication-factor or "
                 "--topic-config (a replication factor may not exceed the brokers), or create "
-                "the topic yourself; nothing from its first event on was confirmed"
+                f"the topic yourself{after}"
             ) from None
         if code in _LATER or err.retriable():
             raise Unanswered(err.str()) from None
         raise TopicNotCreated(
             f"Kafka did not create topic {topic}: {err.str()}; create the topic yourself, or "
-            "fix the cause and restart the relay; nothing from its first event on was confirmed"
+            f"fix the cause and try again{after}"
         ) from None
     return True
 
@@ -210,7 +213,7 @@ def ensure(config: Mapping[str, str], topic: str, spec: TopicSpec, timeout: floa
             "again, or create the topic yourself"
         )
     try:
-        return outcome(topic, spec, future)
+        return outcome(topic, spec, future, after="")
     except Unanswered as exc:
         raise KafkaUnavailableError(
             f"Kafka did not create topic {topic}: {exc}; try again, or create the topic yourself"

@@ -11,8 +11,8 @@ as test_refusals runs), with a SCRAM listener for a principal that may not creat
 - setup-slot --create-topics makes the dead-letter and the checkpoint topics, and an invalid
   setting or replication factor is one line.
 
-README ("Topics") and ARCHITECTURE.md ("Topics made before their first event") say what the
-relay does.
+README.md ("Topics: --create-topics") and ARCHITECTURE.md ("Topics made before their first
+event") say what the relay does.
 """
 
 from __future__ import annotations
@@ -585,4 +585,5 @@ def test_setup_slot_refuses_what_kafka_would_not_make_in_one_line(
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"cdc-relay: error: Kafka would not create topic {dead} with "), line
     assert says in line, line
+    print(line)
     assert dead not in topics_of(broker.bootstrap, names.topic_prefix)
