@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -489,6 +490,52 @@ def test_a_denied_creation_stops_poll_with_its_rows_unprocessed(
         relay.close()
     verdict = check(written, received, prefix)
     assert not verdict.lost and not verdict.out_of_order and not verdict.mismatched, verdict
+
+
+# -- a stop while the topic waits ----------------------------------------------------------------
+
+
+def test_a_stop_while_a_new_topic_waits_for_a_stalled_kafka_is_prompt_and_loses_nothing(
+    tmp_path: Path, outbox_db: str, broker: Broker, names: Any
+) -> None:
+    """The broker stalls (SIGSTOP) just before a new aggregate type's first event: the relay
+    cannot learn whether the topic exists, so the event waits (never sent to a topic a broker
+    without auto-creation would refuse); SIGTERM still stops it at once, exit 0, with nothing
+    confirmed past the event; once the broker is back a restart makes the topic."""
+    prefix = names.topic_prefix
+    setup_slot(outbox_db, names)
+    env = relay_env(outbox_db, broker.bootstrap, names) | creation_env()
+    relay = RelayProcess(tmp_path, env).start()
+    pid = broker.kafka.pid
+    assert pid is not None
+    try:
+        first = write(outbox_db, [("order", "o1")])
+        consume(broker.bootstrap, prefix, 1, SECONDS, settle=0.5)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            waiting = write(outbox_db, [("customer", "c1")])
+            time.sleep(5)
+            assert relay.alive(), relay.log()[-3000:]
+            started = time.monotonic()
+            code = relay.stop(60)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert code == 0, relay.log()[-3000:]
+        # Nothing was sent to wait for (an event sent to the stalled broker would hold the stop
+        # for --shutdown-timeout, 10 s in relay_env), and the wait for the topic ends at once.
+        assert took < 5, f"the stop took {took:.1f} s"
+        print(f"stopped in {took:.1f} s while the topic waited")
+        assert pending_inserts(outbox_db, names.slot, names.publication) == 1
+        relay.start()
+        written = first + waiting
+        received = consume(broker.bootstrap, prefix, len(written), SECONDS, settle=1)
+        assert relay.stop() == 0, relay.log()[-3000:]
+    finally:
+        relay.close()
+    verdict = check(written, received, prefix)
+    assert not verdict.lost and not verdict.mismatched, verdict
+    assert_made_as_asked(broker.bootstrap, f"{prefix}.customer", 5)
 
 
 # -- a topic Kafka has -----------------------------------------------------------------------------
