@@ -393,6 +393,12 @@ class KafkaSink:
             if other is not None:
                 self._topics.forget(topic)  # its next event is refused at once (offer)
                 return _collision(topic, other).str()
+            if topic in self._topics.created:
+                return (
+                    f"topic {topic} was created by this relay, and Kafka's metadata does not "
+                    "show it yet; the producer waits up to topic.metadata.propagation.max.ms "
+                    "(30 s by default) for it"
+                )
             return (
                 f"topic {topic} does not exist, and Kafka did not create it (the broker's "
                 "auto.create.topics.enable, or allow.auto.create.topics in --kafka-config, is "

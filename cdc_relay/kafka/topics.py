@@ -257,6 +257,7 @@ class Topics:
         self._creating: dict[str, Future[None]] = {}
         self._unanswered = -math.inf  # when Kafka last did not answer a creation
         self._warned: set[str] = set()
+        self.created: set[str] = set()  # topics made here (--create-topics)
         self._lock = threading.Lock()
 
     def collision(self, topic: str, listing: Listing) -> str | None:
@@ -320,6 +321,7 @@ class Topics:
             raise NotYet from None
         self.checked.add(topic)
         if created:
+            self.created.add(topic)
             log.info(
                 "created topic %s (%s)",
                 topic,

@@ -124,6 +124,7 @@ def test_a_missing_topic_is_created_once_and_its_events_wait_for_kafka_s_answer(
     creator.asked[0][1].set_result(None)
     assert topics.collision("p.order", kafka) is None
     assert "p.order" in topics.checked
+    assert topics.created == {"p.order"}  # what an overdue event's warning says of it
     assert creator.spec.new_topic("p.order").num_partitions == 6
 
 
