@@ -84,7 +84,12 @@ def main() -> int:
 
     args.dir.mkdir(parents=True, exist_ok=True)
     say("demo", f"starting PostgreSQL (wal_level=logical) and Kafka (KRaft) under {args.dir}")
-    with LocalPostgres(args.dir / "postgres") as pg, LocalKafka(args.dir / "kafka") as kafka:
+    # Kafka as production runs it, creating no topic on demand: the relay makes its topics
+    # (--create-topics).
+    kafka_service = LocalKafka(
+        args.dir / "kafka", properties={"auto.create.topics.enable": "false"}
+    )
+    with LocalPostgres(args.dir / "postgres") as pg, kafka_service as kafka:
         say("demo", f"PostgreSQL at {pg.dsn_for('shop')}")
         say("demo", f"Kafka at {kafka.bootstrap}")
         with psycopg.connect(pg.dsn, autocommit=True) as conn:
@@ -95,7 +100,12 @@ def main() -> int:
             conn.execute(schema.text("outbox"))
             conn.execute((Path(__file__).parent / "schema.sql").read_text())
 
-        env = {**os.environ, "CDC_RELAY_DSN": dsn, "CDC_RELAY_KAFKA_BOOTSTRAP": kafka.bootstrap}
+        env = {
+            **os.environ,
+            "CDC_RELAY_DSN": dsn,
+            "CDC_RELAY_KAFKA_BOOTSTRAP": kafka.bootstrap,
+            "CDC_RELAY_CREATE_TOPICS": "true",
+        }
         cli = [sys.executable, "-m", "cdc_relay"]
         say("demo", "$ cdc-relay setup-slot")
         setup = subprocess.run([*cli, "setup-slot"], env=env, capture_output=True, text=True)

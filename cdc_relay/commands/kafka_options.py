@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,12 +22,66 @@ from cdc_relay.kafka import cloudevents
 from cdc_relay.kafka.exactly_once import DEFAULT_CHECKPOINT_TOPIC
 from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.kafka.sink import producer_config
+from cdc_relay.kafka.topics import BROKER_DEFAULT, TopicSpec
 from cdc_relay.metrics import STALL_TIMEOUT, Health, serve
 from cdc_relay.relay.settings import RelaySettings
 
 
 def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> str:
     return check_template(value)
+
+
+_TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_CONFIG_KEY = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*")
+
+
+def _replication_factor(ctx: click.Context, param: click.Parameter, value: int | None) -> Any:
+    if value is not None and value < 1 and value != BROKER_DEFAULT:
+        raise click.BadParameter(
+            f"{value} is no replication factor: give 1 or more, or -1 for the broker's "
+            "default.replication.factor"
+        )
+    return value
+
+
+def _topic_config(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> dict[str, str]:
+    config: dict[str, str] = {}
+    for pair in values:
+        key, equals, value = pair.partition("=")
+        key, value = key.strip(), value.strip()
+        if not equals or not _CONFIG_KEY.fullmatch(key) or not value:
+            raise click.BadParameter(
+                f"{pair!r} is not KEY=VALUE with a topic setting as KEY (e.g. retention.ms="
+                "604800000, min.insync.replicas=2)"
+            )
+        if key in config and config[key] != value:
+            raise click.BadParameter(f"{key} is given twice, as {config[key]} and {value}")
+        config[key] = value
+    return config
+
+
+def _partitions_for(
+    ctx: click.Context, param: click.Parameter, values: tuple[str, ...]
+) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for pair in values:
+        topic, equals, count = pair.rpartition("=")
+        topic = topic.strip()
+        try:
+            partitions = int(count.strip()) if equals else 0
+        except ValueError:
+            partitions = 0
+        if not _TOPIC_NAME.fullmatch(topic) or topic in (".", "..") or partitions < 1:
+            raise click.BadParameter(
+                f"{pair!r} is not TOPIC=N with a Kafka topic name (letters, digits, '.', '_', "
+                "'-') and N a partition count of 1 or more"
+            )
+        if counts.get(topic, partitions) != partitions:
+            raise click.BadParameter(f"topic {topic} is given two partition counts")
+        counts[topic] = partitions
+    return counts
 
 
 def _cloudevents_source(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
@@ -92,9 +147,18 @@ def log_options(func: F) -> F:
     )(func)
 
 
-# The options of kafka_options that say what an event looks like on Kafka, beyond its topic:
-# only commands that publish take them.
-_WIRE = ("--tombstone-on-empty-payload", "--cloudevents", "--cloudevents-source")
+# The options of kafka_options that say what an event looks like on Kafka, beyond its topic,
+# and how a missing topic is made: only commands that publish take them.
+_WIRE = (
+    "--tombstone-on-empty-payload",
+    "--cloudevents",
+    "--cloudevents-source",
+    "--create-topics",
+    "--topic-partitions",
+    "--topic-partitions-for",
+    "--topic-replication-factor",
+    "--topic-config",
+)
 
 
 def kafka_options(
@@ -161,6 +225,45 @@ def kafka_options(
                 help="ce_source of every event, with --cloudevents; default "
                 "/cdc-relay/<database>/<schema>.<table> of the outbox table.",
             ),
+            "--create-topics": env_option(
+                "--create-topics",
+                is_flag=True,
+                help="Create a topic Kafka does not have before its first event (with the "
+                "--topic-* options below; a topic Kafka has is used as it is), for brokers "
+                "with automatic topic creation off. Needs CREATE and DESCRIBE_CONFIGS on the "
+                "topics; a refused creation stops the relay.",
+            ),
+            "--topic-partitions": env_option(
+                "--topic-partitions",
+                type=click.IntRange(1, 100_000),
+                metavar="N",
+                help="Partitions of a topic --create-topics makes.  [default: the broker's "
+                "num.partitions]",
+            ),
+            "--topic-partitions-for": env_option(
+                "--topic-partitions-for",
+                multiple=True,
+                metavar="TOPIC=N",
+                callback=_partitions_for,
+                help="Partitions of one topic --create-topics makes, in place of "
+                "--topic-partitions; repeatable.",
+            ),
+            "--topic-replication-factor": env_option(
+                "--topic-replication-factor",
+                type=click.IntRange(-1, 32_767),
+                metavar="N",
+                callback=_replication_factor,
+                help="Replication factor of a topic --create-topics makes; -1: the broker's "
+                "default.replication.factor.  [default: -1]",
+            ),
+            "--topic-config": env_option(
+                "--topic-config",
+                multiple=True,
+                metavar="KEY=VALUE",
+                callback=_topic_config,
+                help="A setting of a topic --create-topics makes (repeatable), e.g. "
+                "min.insync.replicas=2 or retention.ms=604800000.",
+            ),
         }
         left_out = (() if topics else ("--topic-template",)) + (() if wire else _WIRE)
         for name, option in reversed(options.items()):
@@ -201,6 +304,38 @@ class WireOptions:
     kafka_timeout: float
     cloudevents_enabled: bool
     cloudevents_source: str | None
+    create_topics: bool
+    topic_partitions: int | None
+    topic_partitions_for: dict[str, int]
+    topic_replication_factor: int | None
+    topic_config: dict[str, str]
+
+    def topic_creation(self) -> TopicSpec | None:
+        """How a missing topic is made (--create-topics); None without it. The --topic-*
+        options without it are refused: they would do nothing."""
+        if not self.create_topics:
+            given = [
+                name
+                for name, value in (
+                    ("--topic-partitions", self.topic_partitions),
+                    ("--topic-partitions-for", self.topic_partitions_for),
+                    ("--topic-replication-factor", self.topic_replication_factor),
+                    ("--topic-config", self.topic_config),
+                )
+                if value
+            ]
+            if given:
+                raise UsageError(
+                    f"{', '.join(given)} say how --create-topics makes a topic: give "
+                    "--create-topics (CDC_RELAY_CREATE_TOPICS=true) too, or leave them out"
+                )
+            return None
+        return TopicSpec(
+            partitions=self.topic_partitions or BROKER_DEFAULT,
+            replication_factor=self.topic_replication_factor or BROKER_DEFAULT,
+            config=self.topic_config,
+            partitions_for=self.topic_partitions_for,
+        )
 
     def producer(self) -> dict[str, str]:
         """The producer's configuration (sink.producer_config)."""
@@ -222,6 +357,7 @@ class WireOptions:
                 self.cloudevents_enabled, self.cloudevents_source, dsn, table, header_columns
             ),
             kafka_timeout=self.kafka_timeout,
+            topic_creation=self.topic_creation(),
             **more,
         )
 

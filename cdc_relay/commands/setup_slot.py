@@ -24,6 +24,7 @@ from cdc_relay.commands.options import (
 from cdc_relay.errors import PreflightError, UsageError
 from cdc_relay.events import OutboxLayout, check_trace_column
 from cdc_relay.kafka.checkpoints import ensure_topic
+from cdc_relay.kafka.topics import ensure
 from cdc_relay.ops.handover import handover, republish
 from cdc_relay.postgres import failover
 from cdc_relay.postgres.failover_ready import wait_ready
@@ -106,6 +107,11 @@ from cdc_relay.relay.worker import PollSettings
     "exist; needs --kafka-bootstrap.",
 )
 @CHECKPOINT_TOPIC
+@env_option(
+    "--dead-letter-topic",
+    help="With --create-topics: create stream --dead-letter-topic's topic if it does not "
+    "exist, as the --topic-* options say.",
+)
 @messages_option(
     "For stream --messages: check that only the writers (--message-writer) may emit logical "
     "decoding messages, as stream does at start."
@@ -131,6 +137,7 @@ def setup_slot(
     wait_failover_ready: float | None,
     exactly_once: bool,
     checkpoint_topic: str,
+    dead_letter_topic: str | None,
     messages: bool,
     message_writers: tuple[str, ...],
     wire: WireOptions,
@@ -143,7 +150,9 @@ def setup_slot(
     --from-poller (and the Kafka options) it is the switch from poll to stream. With
     --shards N, one slot and publication per shard. With --create-table, a missing outbox
     table is created first. With --exactly-once, the checkpoint topic too. With --table given
-    more than once, one publication holds every table.
+    more than once, one publication holds every table. With --create-topics, the
+    dead-letter topic too, and the topics of the events --republish-since or --from-poller
+    publish.
     """
     check_trace_column(trace_column, header_columns)
     if exactly_once and not wire.kafka_bootstrap:
@@ -153,6 +162,9 @@ def setup_slot(
             "--wait-failover-ready waits for a standby's copy of a failover slot: give it with "
             "--failover (and not --dry-run)"
         )
+    creation = wire.topic_creation()
+    if creation is not None and not wire.kafka_bootstrap:
+        raise UsageError("--create-topics creates topics in Kafka: give --kafka-bootstrap")
     if messages and (problem := writers_problem(dsn, message_writers)):
         raise PreflightError(problem)
     aggregate_column = OutboxLayout.from_options(columns, ()).aggregate_id
@@ -182,10 +194,23 @@ def setup_slot(
         # First, whatever the slot's way of being made: the topic does not depend on it.
         if dry_run:
             click.echo(f"-- the checkpoint topic {checkpoint_topic}, if it does not exist")
-        elif ensure_topic(wire.producer(), checkpoint_topic, wire.kafka_timeout):
+        elif ensure_topic(wire.producer(), checkpoint_topic, wire.kafka_timeout, creation):
             click.echo(f"created checkpoint topic {checkpoint_topic} (cleanup.policy=compact)")
         else:
             click.echo(f"exists: checkpoint topic {checkpoint_topic}")
+    if creation is not None and dead_letter_topic:
+        if dry_run:
+            click.echo(
+                f"-- the dead-letter topic {dead_letter_topic}, if it does not exist "
+                f"({creation.describe(dead_letter_topic)})"
+            )
+        elif ensure(wire.producer(), dead_letter_topic, creation, wire.kafka_timeout):
+            click.echo(
+                f"created dead-letter topic {dead_letter_topic} "
+                f"({creation.describe(dead_letter_topic)})"
+            )
+        else:
+            click.echo(f"exists: dead-letter topic {dead_letter_topic}")
     if header_columns and republish_since is None:
         raise UsageError(
             "--header-column is for --republish-since, which publishes what stream would: give "
@@ -281,13 +306,13 @@ def setup_slot(
                 "cdc-relay status shows it, and status --require-failover-ready exits 0 from "
                 "then on (3 until then)"
             )
-            return
-        for each in specs:
-            found = wait_ready(dsn, each.slot, wait_failover_ready)
-            if not found.ready:
-                raise PreflightError(
-                    f"after {wait_failover_ready:g} s, {found.reason} "
-                    "(cdc-relay status --require-failover-ready tells when one does)"
-                )
-            usable = ", ".join(copy.standby for copy in found.copies if copy.usable)
-            click.echo(f"failover: ready: {usable} holds a usable copy of slot {each.slot}")
+        else:
+            for each in specs:
+                found = wait_ready(dsn, each.slot, wait_failover_ready)
+                if not found.ready:
+                    raise PreflightError(
+                        f"after {wait_failover_ready:g} s, {found.reason} "
+                        "(cdc-relay status --require-failover-ready tells when one does)"
+                    )
+                usable = ", ".join(copy.standby for copy in found.copies if copy.usable)
+                click.echo(f"failover: ready: {usable} holds a usable copy of slot {each.slot}")

@@ -17,12 +17,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import (  # type: ignore[attr-defined]
-    AdminClient,
-    NewTopic,
-)
 
 from cdc_relay.errors import KafkaUnavailableError, PreflightError
+from cdc_relay.kafka.topics import TopicSpec, client_settings, ensure
 from cdc_relay.lsn import Lsn, format_lsn
 
 MESSAGE = 0
@@ -128,31 +125,13 @@ class UnreadableCheckpoint(PreflightError):
     """The checkpoint topic holds a record of this relay's key that it cannot read."""
 
 
-def ensure_topic(config: Mapping[str, str], topic: str, timeout: float) -> bool:
-    """Create the checkpoint topic (compacted, one partition) unless it exists; True if it
-    was created here."""
-    admin = AdminClient({k: v for k, v in config.items() if not k.startswith("enable.")})
-    try:
-        metadata = admin.list_topics(timeout=timeout)
-    except KafkaException as exc:
-        why = _unreadable(config, topic, timeout, exc.args[0], [])
-        raise KafkaUnavailableError(why) from None
-    if topic in metadata.topics and metadata.topics[topic].error is None:
-        return False
-    futures = admin.create_topics(
-        [NewTopic(topic, 1, -1, config={"cleanup.policy": "compact"})],
-        request_timeout=timeout,
-    )
-    try:
-        futures[topic].result(timeout=timeout)
-    except KafkaException as exc:
-        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:
-            raise KafkaUnavailableError(
-                f"cannot create the checkpoint topic {topic}: {exc.args[0].str()}; create it "
-                "with cleanup.policy=compact, or grant the relay's principal CREATE on it"
-            ) from None
-        return False
-    return True
+def ensure_topic(
+    config: Mapping[str, str], topic: str, timeout: float, spec: TopicSpec | None = None
+) -> bool:
+    """Create the checkpoint topic (compacted, one partition; the replication factor and
+    settings of ``spec``, --create-topics') unless it exists; True if it was created here.
+    The same creation as every topic's (topics.ensure)."""
+    return ensure(config, topic, (spec or TopicSpec()).checkpoints(), timeout)
 
 
 def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: float) -> Checkpoint:
@@ -166,15 +145,23 @@ def read_checkpoint(config: Mapping[str, str], topic: str, key: str, timeout: fl
 
 class KafkaCheckpoints:
     """The checkpoint store (cdc_relay.relay.stages.CheckpointStore) of ``transactional_id``: the
-    compacted topic its transactions write their checkpoints to."""
+    compacted topic its transactions write their checkpoints to, made as ``spec`` says
+    (--create-topics) when it is missing."""
 
-    def __init__(self, config: Mapping[str, str], topic: str, transactional_id: str) -> None:
+    def __init__(
+        self,
+        config: Mapping[str, str],
+        topic: str,
+        transactional_id: str,
+        spec: TopicSpec | None = None,
+    ) -> None:
         self._config = config
         self._topic = topic
         self._key = transactional_id
+        self._spec = spec
 
     def prepare(self, timeout: float) -> None:
-        ensure_topic(self._config, self._topic, timeout)
+        ensure_topic(self._config, self._topic, timeout, self._spec)
 
     def read(self, timeout: float) -> Checkpoint:
         return read_checkpoint(self._config, self._topic, self._key, timeout)
@@ -265,16 +252,6 @@ def committed_checkpoint(
     finally:
         consumer.close()
     return found
-
-
-def client_settings(config: Mapping[str, str]) -> dict[str, str]:
-    """What a consumer or admin client takes of the producer's settings: where and how to
-    connect."""
-    return {
-        k: v
-        for k, v in config.items()
-        if k.startswith(("bootstrap.", "security.", "ssl.", "sasl.", "client."))
-    }
 
 
 def _unreadable(

@@ -146,9 +146,9 @@ _REMEDIES = {
     KafkaError.TOPIC_AUTHORIZATION_FAILED: "grant the relay's principal WRITE on the topic, or "
     "pass --dead-letter-topic",
     KafkaError.UNKNOWN_TOPIC_OR_PART: "create the topic (the broker does not create topics on "
-    "demand), or pass --dead-letter-topic",
+    "demand), or start the relay with --create-topics, or pass --dead-letter-topic",
     KafkaError._UNKNOWN_TOPIC: "create the topic (the broker does not create topics on demand), "
-    "or pass --dead-letter-topic",
+    "or start the relay with --create-topics, or pass --dead-letter-topic",
     KafkaError.INVALID_RECORD: "the topic refuses this record (a compacted topic needs a key: "
     "give the event an aggregate_id), or pass --dead-letter-topic",
     # Kafka will not create the topic (cdc_relay.kafka.topics): no restart changes that.

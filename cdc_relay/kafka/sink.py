@@ -12,7 +12,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -21,7 +21,7 @@ from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
 from cdc_relay.kafka.outage import KAFKA
 from cdc_relay.kafka.overdue import Overdue
 from cdc_relay.kafka.routing import Message
-from cdc_relay.kafka.topics import Topics, collides
+from cdc_relay.kafka.topics import Creator, NotYet, Topics, TopicSpec, collides
 
 log = logging.getLogger(__name__)
 # librdkafka's own lines, through our handlers instead of raw stderr
@@ -107,13 +107,19 @@ Acked = Callable[[Any], None]
 Refused = Callable[[Any, KafkaError], None]
 
 
+def topics_of(config: Mapping[str, str], creation: TopicSpec | None) -> Topics:
+    """The topic check of a relay's sinks; with ``creation`` (--create-topics) it makes the
+    topics Kafka does not have."""
+    return Topics(Creator(config, creation) if creation is not None else None)
+
+
 def kafka_sink(
-    config: Mapping[str, str], relay: str = "stream"
+    config: Mapping[str, str], relay: str = "stream", creation: TopicSpec | None = None
 ) -> Callable[[Acked, Refused], KafkaSink]:
     """What opens the idempotent producer's sink for ``config`` from its two report callbacks
-    (stages.OpenSink): the default sink of every relay."""
+    (stages.OpenSink): the default sink of every relay; ``creation``: --create-topics'."""
 
-    topics = Topics()  # shared by the sinks it opens: a poll relay's workers
+    topics = topics_of(config, creation)  # shared by the sinks it opens: a poll relay's workers
 
     def open_sink(acked: Acked, refused: Refused) -> KafkaSink:
         return KafkaSink(config, on_ack=acked, on_refused=refused, relay=relay, topics=topics)
@@ -252,13 +258,16 @@ class KafkaSink:
 
         A message the client refuses (larger than message.max.bytes, ...) is reported to
         ``on_refused`` before this returns True; so is one whose topic Kafka cannot create
-        (cdc_relay.kafka.topics).
+        (cdc_relay.kafka.topics). False too while its topic is being made (--create-topics).
         """
         if self.broken and not len(self._producer):
             self.renew()
         topic = message.topic
         if topic not in self._checked:
-            other = self._topics.collision(topic, self._list_topics)
+            try:
+                other = self._topics.collision(topic, self._list_topics)
+            except NotYet:
+                return False
             if other is not None:
                 self._on_refused(token, _collision(topic, other))
                 return True
@@ -294,18 +303,18 @@ class KafkaSink:
             self._on_refused(token, exc.args[0])
         return True
 
-    def _list_topics(self) -> Collection[str] | None:
-        """Kafka's topics; None when it does not answer, and then for a while without asking
-        (the loop must not wait for it at each event of the topic)."""
+    def _list_topics(self) -> dict[str, int] | None:
+        """Kafka's topics with their partition counts; None when it does not answer, and then
+        for a while without asking (the loop must not wait for it at each event of the topic)."""
         now = time.monotonic()
         if KAFKA.down or now - self._unlisted < _LIST_AGAIN:
             return None
         try:
-            topics: Collection[str] = self._producer.list_topics(timeout=_LIST_TIMEOUT).topics
+            topics = self._producer.list_topics(timeout=_LIST_TIMEOUT).topics
         except KafkaException:
             self._unlisted = now
             return None
-        return topics
+        return {name: len(metadata.partitions) for name, metadata in topics.items()}
 
     def poll(self, timeout: float = 0) -> None:
         """Serve delivery reports; raise DeliveryError if the producer failed for good."""
@@ -384,6 +393,12 @@ class KafkaSink:
             if other is not None:
                 self._topics.forget(topic)  # its next event is refused at once (offer)
                 return _collision(topic, other).str()
+            if topic in self._topics.created:
+                return (
+                    f"topic {topic} was created by this relay, and Kafka's metadata does not "
+                    "show it yet; the producer waits up to topic.metadata.propagation.max.ms "
+                    "(30 s by default) for it"
+                )
             return (
                 f"topic {topic} does not exist, and Kafka did not create it (the broker's "
                 "auto.create.topics.enable, or allow.auto.create.topics in --kafka-config, is "

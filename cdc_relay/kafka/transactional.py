@@ -26,9 +26,10 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 )
 
 from cdc_relay.errors import DeliveryError, PreflightError
-from cdc_relay.kafka.checkpoints import Checkpoint, client_settings
+from cdc_relay.kafka.checkpoints import Checkpoint
 from cdc_relay.kafka.refusals import is_culprit
 from cdc_relay.kafka.sink import Acked, KafkaSink, Refused
+from cdc_relay.kafka.topics import Topics, client_settings
 from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,11 @@ class TransactionalSink(KafkaSink):
         checkpoint_topic: str,
         timeout: float = 30.0,
         start_timeout: float = 30.0,
+        topics: Topics | None = None,
     ) -> None:
         settings = {**config, "transactional.id": transactional_id}
         settings.pop("enable.gapless.guarantee", None)  # an aborted transaction does that job
-        super().__init__(settings, on_ack, on_refused, relay="stream")
+        super().__init__(settings, on_ack, on_refused, relay="stream", topics=topics)
         self._topic = checkpoint_topic
         self._key = transactional_id.encode()
         self._timeout = timeout  # for a transaction to commit or abort

@@ -180,7 +180,9 @@ def open_batch(
     which never gives up waiting."""
     if router is None:
         router = poll_router(settings)
-    opener = open_sink or kafka_sink(settings.kafka_config, relay="poll")
+    opener = open_sink or kafka_sink(
+        settings.kafka_config, relay="poll", creation=settings.topic_creation
+    )
     return Batch(router, opener, tick=tick, give_up=give_up)
 
 

@@ -18,7 +18,7 @@ from cdc_relay.kafka.exactly_once import (
     ExactlyOnce,
     check_interval,
 )
-from cdc_relay.kafka.sink import Acked, Refused
+from cdc_relay.kafka.sink import Acked, Refused, topics_of
 from cdc_relay.kafka.transactional import TransactionAborted, TransactionalSink
 from cdc_relay.lsn import Lsn, format_lsn
 from cdc_relay.metrics import Health
@@ -52,6 +52,7 @@ def transactional_sink(
         transactional_id=eos.transactional_id,
         checkpoint_topic=eos.checkpoint_topic,
         start_timeout=settings.kafka_timeout,
+        topics=topics_of(settings.kafka_config, settings.topic_creation),
     )
 
 

@@ -87,7 +87,9 @@ class PollRelay:
         self.wake = Wake()
         self._open_store = open_store
         # One for all workers: what their sinks learn of Kafka's topics (sink.kafka_sink).
-        self._open_sink = open_sink or kafka_sink(settings.kafka_config, relay="poll")
+        self._open_sink = open_sink or kafka_sink(
+            settings.kafka_config, relay="poll", creation=settings.topic_creation
+        )
         # One for all workers: which aggregate type each topic is of (routing.Router).
         self.router = poll_router(settings)
         self._error: BaseException | None = None  # what stopped a worker

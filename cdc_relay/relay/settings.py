@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from cdc_relay.kafka.cloudevents import CloudEvents
+from cdc_relay.kafka.topics import TopicSpec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +26,7 @@ class RelaySettings:
     tombstone_on_empty: bool = False
     cloudevents: CloudEvents | None = None  # the CloudEvents headers, when asked for
     kafka_timeout: float = 15.0  # seconds for a broker to answer at start-up
+    topic_creation: TopicSpec | None = None  # --create-topics: how a missing topic is made
     shutdown_timeout: float = 30.0  # seconds to wait for Kafka's acks when stopping
     progress_interval: float = 10.0  # seconds between progress lines
 

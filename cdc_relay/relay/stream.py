@@ -137,7 +137,10 @@ class StreamRelay:
 
         def open_kafka(acked: Acked, refused: Refused) -> Sink:
             if eos is None:
-                return (open_sink or kafka_sink(settings.kafka_config))(acked, refused)
+                opener = open_sink or kafka_sink(
+                    settings.kafka_config, creation=settings.topic_creation
+                )
+                return opener(acked, refused)
             made.append(transactional_sink(settings, eos, open_transactions, acked, refused))
             return made[0]
 
@@ -159,7 +162,10 @@ class StreamRelay:
                 committer,
                 checkpoints
                 or KafkaCheckpoints(
-                    settings.kafka_config, eos.checkpoint_topic, eos.transactional_id
+                    settings.kafka_config,
+                    eos.checkpoint_topic,
+                    eos.transactional_id,
+                    settings.topic_creation,
                 ),
                 self.pipeline,
                 self.rewinds,

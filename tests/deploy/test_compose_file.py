@@ -133,6 +133,17 @@ def test_kafka_is_one_kraft_node_from_the_official_image(compose: dict[str, Any]
     assert environment["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == "1"
 
 
+def test_kafka_creates_no_topic_on_demand_and_the_relay_makes_its_topics(
+    compose: dict[str, Any],
+) -> None:
+    """As production brokers run: automatic creation on would hide a relay that cannot make
+    its topics."""
+    assert compose["services"]["kafka"]["environment"]["KAFKA_AUTO_CREATE_TOPICS_ENABLE"] == "false"
+    for name in ("setup-slot", "relay"):
+        environment = compose["services"][name]["environment"]
+        assert environment["CDC_RELAY_CREATE_TOPICS"] == "true", name
+
+
 def test_no_password_in_a_dsn_and_none_written_out(compose: dict[str, Any]) -> None:
     for name, service in compose["services"].items():
         environment = service.get("environment", {})

@@ -28,6 +28,7 @@ from confluent_kafka.admin import (
 from psycopg.rows import dict_row
 
 from cdc_relay import schema
+from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.events import Insert
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.outbox import write_event
@@ -530,6 +531,22 @@ def check(written: Iterable[Written], received: list[Received], topic_prefix: st
 
 
 # -- topics -----------------------------------------------------------------------------------
+
+STRICT_KAFKA = {
+    "auto.create.topics.enable": "false",
+    "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+    "allow.everyone.if.no.acl.found": "true",
+}
+"""A broker as production runs one: it creates no topic on demand, and runs KRaft's authorizer
+(everything is allowed where no ACL is found: the broker itself is User:ANONYMOUS too)."""
+
+
+def strict_broker(
+    base_dir: Path, properties: dict[str, str] | None = None, **more: Any
+) -> LocalKafka:
+    """A broker (not started) of STRICT_KAFKA's settings, and ``properties`` besides; ``more``:
+    LocalKafka's other arguments (ports, format_args)."""
+    return LocalKafka(base_dir, properties={**STRICT_KAFKA, **(properties or {})}, **more)
 
 
 def create_topics(bootstrap: str, topics: dict[str, dict[str, str]], partitions: int = 3) -> None:

@@ -32,5 +32,7 @@ def test_demo_relays_the_orders_and_stops_cleanly(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "created slot cdc_relay (pgoutput)" in output
+    # its broker creates no topic on demand: the relay made the topic (--create-topics)
+    assert "created topic outbox.event.order (the broker's partition count" in output, output
     assert output.count("order.created {") == 3, output
     assert "3 events arrived on Kafka; relay exit code 0" in output

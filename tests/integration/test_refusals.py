@@ -56,6 +56,7 @@ from relaytools import (
     relay_env,
     set_topic_config,
     setup_slot,
+    strict_broker,
     wait_until,
     writers_only,
 )
@@ -160,16 +161,9 @@ def _matrix(
 
 @pytest.fixture(scope="module")
 def strict_kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalKafka]:
-    """A broker that creates no topic on demand and runs KRaft's authorizer (everything is
-    allowed where no ACL is found: the broker itself is User:ANONYMOUS too)."""
-    broker = LocalKafka(
-        tmp_path_factory.mktemp("kafka_strict"),
-        properties={
-            "auto.create.topics.enable": "false",
-            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-            "allow.everyone.if.no.acl.found": "true",
-        },
-    )
+    """A broker that creates no topic on demand and runs KRaft's authorizer (relaytools'
+    STRICT_KAFKA)."""
+    broker = strict_broker(tmp_path_factory.mktemp("kafka_strict"))
     try:
         broker.start()
         yield broker

@@ -1,19 +1,35 @@
-"""Kafka's rule on topic names, checked before a topic's first event (cdc_relay.kafka.topics)."""
+"""A topic before its first event (cdc_relay.kafka.topics): Kafka's rule on topic names, and
+the creation of a missing topic (--create-topics)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future
 
-from cdc_relay.kafka.topics import Topics, collides
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+
+from cdc_relay.kafka import topics as topics_module
+from cdc_relay.kafka.topics import (
+    Creator,
+    Listing,
+    NotYet,
+    TopicNotCreated,
+    Topics,
+    TopicSpec,
+    collides,
+)
 
 
-def listing(*topics: str) -> tuple[Callable[[], Collection[str] | None], list[int]]:
-    """A listing of Kafka's topics, and how many times it was asked for."""
+def listing(*topics: str, partitions: int = 3) -> tuple[Listing, list[int]]:
+    """A listing of Kafka's topics (each with ``partitions``), and how many times it was asked
+    for."""
     calls: list[int] = []
 
-    def list_topics() -> Collection[str]:
+    def list_topics() -> Mapping[str, int]:
         calls.append(1)
-        return set(topics)
+        return dict.fromkeys(topics, partitions)
 
     return list_topics, calls
 
@@ -73,3 +89,157 @@ def test_a_forgotten_topic_is_checked_again_against_a_new_listing() -> None:
     after, calls = listing("p.order_line")
     assert topics.collision("p.order.line", after) == "p.order_line"
     assert len(calls) == 1
+
+
+# -- --create-topics ----------------------------------------------------------------------------
+
+
+class FakeCreator(Creator):
+    """Records what it is asked to create; the test answers each future."""
+
+    def __init__(self, spec: TopicSpec) -> None:
+        super().__init__({}, spec)
+        self.asked: list[tuple[str, Future[None]]] = []
+
+    def request(self, topic: str) -> Future[None]:
+        future: Future[None] = Future()
+        self.asked.append((topic, future))
+        return future
+
+
+def refused(future: Future[None], code: int) -> None:
+    future.set_exception(KafkaException(KafkaError(code, "the broker's words")))
+
+
+def test_a_missing_topic_is_created_once_and_its_events_wait_for_kafka_s_answer() -> None:
+    creator = FakeCreator(TopicSpec(6, 1, {"retention.ms": "1000"}))
+    topics = Topics(creator)
+    kafka, _ = listing("p.customer")
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    with pytest.raises(NotYet):  # still unanswered: asked once, not again
+        topics.collision("p.order", kafka)
+    assert [topic for topic, _ in creator.asked] == ["p.order"]
+    assert "p.order" not in topics.checked
+    creator.asked[0][1].set_result(None)
+    assert topics.collision("p.order", kafka) is None
+    assert "p.order" in topics.checked
+    assert topics.created == {"p.order"}  # what an overdue event's warning says of it
+    assert creator.spec.new_topic("p.order").num_partitions == 6
+
+
+def test_a_topic_another_relay_made_meanwhile_is_success() -> None:
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    refused(creator.asked[0][1], KafkaError.TOPIC_ALREADY_EXISTS)
+    assert topics.collision("p.order", kafka) is None
+    assert "p.order" in topics.checked
+
+
+@pytest.mark.parametrize(
+    ("code", "remedy"),
+    [
+        (KafkaError.TOPIC_AUTHORIZATION_FAILED, "grant the relay's principal CREATE"),
+        (KafkaError.CLUSTER_AUTHORIZATION_FAILED, "grant the relay's principal CREATE"),
+        (KafkaError.INVALID_REPLICATION_FACTOR, "fix --topic-partitions"),
+        (KafkaError.INVALID_CONFIG, "fix --topic-partitions"),
+        (KafkaError.POLICY_VIOLATION, "fix --topic-partitions"),
+    ],
+)
+def test_a_refused_creation_stops_the_relay_in_one_line(code: int, remedy: str) -> None:
+    creator = FakeCreator(TopicSpec(3, 5))
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    refused(creator.asked[0][1], code)
+    with pytest.raises(TopicNotCreated) as raised:
+        topics.collision("p.order", kafka)
+    text = str(raised.value)
+    assert "\n" not in text
+    assert "topic p.order" in text
+    assert remedy in text
+    assert "nothing from its first event on was confirmed" in text
+    assert "p.order" not in topics.checked
+
+
+def test_a_creation_kafka_did_not_answer_is_asked_again_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(topics_module.time, "monotonic", lambda: now[0])
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    refused(creator.asked[0][1], KafkaError.REQUEST_TIMED_OUT)
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    with pytest.raises(NotYet):  # not asked again at once
+        topics.collision("p.order", kafka)
+    assert len(creator.asked) == 1
+    now[0] += 6
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    assert len(creator.asked) == 2
+
+
+def test_with_creation_an_event_waits_while_kafka_does_not_list_its_topics() -> None:
+    """Without an answer the relay cannot tell whether the topic exists: the event waits
+    rather than go to a topic the broker will not create on demand."""
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    with pytest.raises(NotYet):
+        topics.collision("p.order", lambda: None)
+    assert creator.asked == []
+
+
+def test_a_colliding_topic_is_refused_not_created() -> None:
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    kafka, _ = listing("p.order_line")
+    assert topics.collision("p.order.line", kafka) == "p.order_line"
+    assert creator.asked == []
+
+
+def test_an_existing_topic_with_another_partition_count_is_used_with_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    creator = FakeCreator(TopicSpec(6, partitions_for={"p.big": 12}))
+    topics = Topics(creator)
+    kafka, _ = listing("p.order", "p.big", "p.same", partitions=3)
+    same, _ = listing("p.same", partitions=6)
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.kafka.topics"):
+        assert topics.collision("p.order", kafka) is None
+        assert topics.collision("p.big", kafka) is None
+        topics.forget("p.order")  # checked again: no second warning
+        assert topics.collision("p.order", kafka) is None
+        assert Topics(creator).collision("p.same", same) is None
+    assert creator.asked == []
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert "p.order exists with 3 partitions, not the 6 asked" in lines[0]
+    assert "p.big exists with 3 partitions, not the 12 asked" in lines[1]
+
+
+def test_the_broker_s_partition_count_asked_for_warns_of_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topics = Topics(FakeCreator(TopicSpec()))
+    kafka, _ = listing("p.order", partitions=1)
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.kafka.topics"):
+        assert topics.collision("p.order", kafka) is None
+    assert not caplog.records
+
+
+def test_the_checkpoint_topic_is_compacted_with_one_partition_whatever_is_asked() -> None:
+    spec = TopicSpec(12, 3, {"cleanup.policy": "delete", "min.insync.replicas": "2"})
+    made = spec.checkpoints().new_topic("cdc-relay-checkpoints")
+    assert made.num_partitions == 1
+    assert made.replication_factor == 3
+    assert made.config == {"cleanup.policy": "compact", "min.insync.replicas": "2"}
+    assert TopicSpec().checkpoints().new_topic("c").replication_factor == -1
