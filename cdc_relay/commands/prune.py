@@ -23,11 +23,10 @@ from cdc_relay.ops.prune import prune_confirmed, prune_processed
     help="Delete rows processed (with --slot: created) longer ago than this: 90s, 30m, 12h, "
     "7d, 2w (at most 100 years).",
 )
-@click.option(
+@env_option(
     "--slot",
     metavar="SLOT",
-    envvar="CDC_RELAY_PRUNE_SLOT",
-    show_envvar=True,
+    deprecated_envvar="CDC_RELAY_PRUNE_SLOT",
     help="For an outbox cdc-relay stream relays: the slot it reads. Rows go once the slot has "
     "confirmed their transaction, whatever their processed_at.",
 )
@@ -38,22 +37,20 @@ from cdc_relay.ops.prune import prune_confirmed, prune_processed
     help="With --slot (pgoutput): the publication cdc-relay stream reads, which must cover "
     "the table.",
 )
-@click.option(
+@env_option(
     "--batch-size",
     type=click.IntRange(1),
     default=10_000,
     show_default=True,
-    envvar="CDC_RELAY_PRUNE_BATCH_SIZE",
-    show_envvar=True,
+    deprecated_envvar="CDC_RELAY_PRUNE_BATCH_SIZE",
     help="Rows deleted per transaction.",
 )
-@click.option(
+@env_option(
     "--wait",
     type=Seconds(0, 3600),
     default=30.0,
     show_default=True,
-    envvar="CDC_RELAY_PRUNE_WAIT",
-    show_envvar=True,
+    deprecated_envvar="CDC_RELAY_PRUNE_WAIT",
     help="With --slot: seconds to wait for the slot to confirm the WAL position the prune "
     "starts at; if it does not, nothing is deleted (exit 1).",
 )

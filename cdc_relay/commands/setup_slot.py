@@ -40,10 +40,8 @@ from cdc_relay.relay.worker import PollSettings
 )
 @SHARDS
 @COLUMNS
-@click.option(
-    "--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing."
-)
-@click.option(
+@env_option("--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing.")
+@env_option(
     "--from-poller",
     is_flag=True,
     help="Take over from cdc-relay poll (stopped first): create the slot with an exported "
@@ -58,7 +56,7 @@ from cdc_relay.relay.worker import PollSettings
     "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
     "the rest.",
 )
-@click.option(
+@env_option(
     "--accept-gap",
     is_flag=True,
     help="Make a slot that existed and is gone anew at the WAL's position now, skipping what "
@@ -78,7 +76,7 @@ from cdc_relay.relay.worker import PollSettings
     help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
     "role of --dsn then owns it. --table must then name an outbox_events table.",
 )
-@click.option(
+@env_option(
     "--failover",
     "failover_slot",
     is_flag=True,
