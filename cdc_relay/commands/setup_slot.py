@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import click
+from click.core import ParameterSource
 
 from cdc_relay import logs
 from cdc_relay.commands.kafka_options import CHECKPOINT_TOPIC, WireOptions, wire_options
@@ -27,6 +28,8 @@ from cdc_relay.postgres import failover
 from cdc_relay.postgres.messages import writers_problem
 from cdc_relay.postgres.slot import setup
 from cdc_relay.relay.worker import PollSettings
+
+COMMANDLINE = ParameterSource.COMMANDLINE
 
 
 @click.command("setup-slot")
@@ -68,7 +71,9 @@ from cdc_relay.relay.worker import PollSettings
     "header_columns",
     multiple=True,
     metavar="COLUMN",
-    help="With --republish-since: send this column as a header, as stream does; repeatable.",
+    help="With --republish-since: send this column as a header, as stream does; repeatable. "
+    "Stream's, from its variable or the config file, serves only then; the flag without "
+    "--republish-since is refused.",
 )
 @env_option(
     "--create-table",
@@ -159,10 +164,13 @@ def setup_slot(
         else:
             click.echo(f"exists: checkpoint topic {checkpoint_topic}")
     if header_columns and republish_since is None:
-        raise UsageError(
-            "--header-column is for --republish-since, which publishes what stream would: give "
-            "it there, or leave it out"
-        )
+        # Given in the environment or the config file, it is the one stream reads, shared with
+        # this command (one ConfigMap for both): it serves a republish, and nothing else here.
+        if click.get_current_context().get_parameter_source("header_columns") is COMMANDLINE:
+            raise UsageError(
+                "--header-column is for --republish-since, which publishes what stream would: "
+                "give it there, or leave it out"
+            )
     if accept_gap and (republish_since is not None or from_poller):
         raise UsageError(
             "--accept-gap skips what a lost slot had not relayed, --republish-since and "
