@@ -13,6 +13,12 @@ from cdc_relay.lsn import format_lsn
 from cdc_relay.ops.prune import prune_confirmed, prune_processed
 
 
+def _slot(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # "" names no slot: a file shared with the stream may give slot = "" in [prune] for an
+    # outbox the poller relays (a table cannot take a key of the top level away)
+    return value or None
+
+
 @click.command("prune")
 @outbox_options
 @env_option(
@@ -27,8 +33,11 @@ from cdc_relay.ops.prune import prune_confirmed, prune_processed
     "--slot",
     metavar="SLOT",
     deprecated_envvar="CDC_RELAY_PRUNE_SLOT",
+    callback=_slot,
     help="For an outbox cdc-relay stream relays: the slot it reads. Rows go once the slot has "
-    "confirmed their transaction, whatever their processed_at.",
+    "confirmed their transaction, whatever their processed_at. CDC_RELAY_SLOT and a slot in "
+    "the config file count too: where they are the stream's but the outbox is polled, give "
+    'slot = "" in [prune] (processed rows).',
 )
 @env_option(
     "--publication",

@@ -142,6 +142,16 @@ def test_prunes_old_variables_still_work_with_a_warning(
     assert "CDC_RELAY_PRUNE_SLOT" not in capsys.readouterr().err
 
 
+def test_prune_by_processed_rows_in_a_file_shared_with_the_stream(tmp_path: Path) -> None:
+    """slot at the top level is the stream's; prune takes it too (the one naming rule), and
+    slot = "" in [prune] names none: a polled outbox's rows go by processed_at."""
+    path = write(tmp_path, 'dsn = "dbname=shop"\nslot = "relay"\n')
+    assert parse("prune", "--config", str(path), "--older-than", "1d").params["slot"] == "relay"
+    path = write(tmp_path, 'dsn = "dbname=shop"\nslot = "relay"\n[prune]\nslot = ""\n')
+    assert parse("prune", "--config", str(path), "--older-than", "1d").params["slot"] is None
+    assert parse("status", "--config", str(path)).params["slot"] == "relay"
+
+
 # -- precedence: flag > environment > file > default -----------------------------------------
 
 
