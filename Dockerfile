@@ -1,12 +1,13 @@
 # The cdc-relay image.
 #
-#   docker build -t cdc-relay .
+#   make dist && docker build -t cdc-relay .
 #   docker run --rm -e CDC_RELAY_DSN='host=db dbname=shop user=relay' -e PGPASSWORD \
 #       -e CDC_RELAY_KAFKA_BOOTSTRAP=kafka:9092 -p 9464:9464 cdc-relay          # cdc-relay stream
 #   docker run --rm -e CDC_RELAY_DSN=... -e PGPASSWORD cdc-relay setup-slot    # any other command
 #
-# Two stages on the same base. `build` turns the project into wheels: its own, and those of its
-# dependencies, which PyPI serves prebuilt (manylinux), so no compiler is needed even there.
+# Two stages on the same base. `build` takes the wheel `make dist` built (the one a release
+# publishes, its version from git) and adds the wheels of its dependencies, which PyPI serves
+# prebuilt (manylinux), so no compiler is needed even there.
 # The final stage installs those wheels from a bind mount, offline, and so keeps neither the
 # wheels, nor pip's cache, nor the sources; it has no compiler and no package-manager lists.
 # RUN --mount needs BuildKit, the default builder since Docker 23 (and always docker compose's).
@@ -20,9 +21,8 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY cdc_relay ./cdc_relay
-RUN python -m pip wheel --wheel-dir /wheels .
+COPY dist/ ./dist/
+RUN python -m pip wheel --wheel-dir /wheels ./dist/cdc_relay-*.whl
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="cdc-relay" \

@@ -6,7 +6,7 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: install test check lint typecheck unit integration demo bench clean
+.PHONY: install test check lint typecheck unit integration demo bench clean dist docs
 
 # Idempotent, and quick once everything is there.
 install:
@@ -34,11 +34,22 @@ integration: install
 test-deploy: install
 	$(PY) -m pytest -m deploy tests/deploy
 
+# The documentation site in site/ (mkdocs.yml): strict, so a broken link or a missing page fails.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# The release artifacts: the sdist, then the wheel built from it, in $(DIST); the version comes
+# from git (a tag vX.Y.Z makes X.Y.Z; see docs on releasing).
+DIST ?= dist
+dist: install
+	rm -f $(DIST)/cdc_relay-*
+	$(PY) -m build --outdir $(DIST) .
+
 # Every test, in two processes (pytest-xdist), each with its own PostgreSQL and Kafka; a test
 # file stays in one process, so its module's services (a second broker, a TLS one) start once.
 # Much of a relay test is waiting (for a process to start, a broker to answer, a timeout to
 # pass), which the other process fills. The slowest 15 tests are listed at the end.
-test: lint typecheck
+test: lint typecheck docs
 	$(PY) -m pytest -n 2 --dist loadfile --durations=15 tests
 
 # The fault-injection suite's long version (the short one runs in `make test`): 20 kills of
@@ -65,7 +76,9 @@ fuzz: install
 	$(PY) -c 'import atheris' 2>/dev/null || $(VENV)/bin/pip install --quiet -e '.[fuzz]'
 	$(PY) tests/fuzz/fuzz_decoders.py --seconds $(FUZZ_SECONDS)
 
-demo: install
+# The demo needs the package alone: no linters, test or bench tools.
+demo:
+	bash .ci/install runtime
 	$(PY) demo/run.py
 
 # Every contestant on both workloads at full size, then a profile of `stream`; results in
@@ -74,4 +87,4 @@ bench: install
 	$(PY) -m bench.run --profile
 
 clean:
-	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .demo .pytest_cache .mypy_cache .ruff_cache site

@@ -2,4 +2,10 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    # Written at build time from git (setuptools-scm): a tag vX.Y.Z makes X.Y.Z.
+    __version__ = version("cdc-relay")
+except PackageNotFoundError:  # the sources on PYTHONPATH, never installed
+    __version__ = "0.0.0+unknown"

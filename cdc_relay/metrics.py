@@ -1,7 +1,8 @@
 """Every Prometheus metric of cdc-relay, and the HTTP endpoint that serves them with health.
 
 ``/metrics`` (Prometheus text format), ``/healthz`` (the relay's loop is alive) and
-``/readyz`` (connected to PostgreSQL and Kafka and making progress) share one port.
+``/readyz`` (connected to PostgreSQL and Kafka and moving: no event has waited for Kafka
+``STALL_TIMEOUT`` seconds with none acknowledged meanwhile) share one port.
 """
 
 from __future__ import annotations
@@ -124,8 +125,14 @@ MESSAGES_IGNORED = Counter(
 )
 CONNECTED = Gauge(
     "cdc_relay_connected",
-    "1 while connected to the service.",
+    "1 while connected to the service; a stream relay standing by (cdc_relay_standby) is "
+    "connected to postgres while PostgreSQL answers its attempts to take the slot.",
     ["service"],
+)
+STANDBY = Gauge(
+    "cdc_relay_standby",
+    "1 while this relay stands by (stream --standby): another relay streams the slot, and "
+    "this one waits to take it over; 0 while it streams.",
 )
 
 
@@ -139,26 +146,69 @@ def observe_slot(row: Mapping[str, Any]) -> None:
     SLOT_SAFE_WAL.set(0 if invalidated else float("inf") if safe is None else safe)
 
 
-class Health:
-    """What the health endpoints report; the relay's loop calls ``beat`` as it turns."""
+STALL_TIMEOUT = 120.0
+"""Seconds events may wait for Kafka with none acknowledged before the relay is not ready:
+longer than the longest Kafka transaction of stream --exactly-once (--transaction-interval,
+60 s at most), whose events are acknowledged only at its commit."""
 
-    def __init__(self, liveness_timeout: float = 60.0) -> None:
-        self._beat = time.monotonic()
+
+class Health:
+    """What the health endpoints report. The relay's loop calls ``beat`` as it turns (alive);
+    ``readiness`` says whether it is connected, ``progress`` how many events wait for Kafka
+    and how many it has delivered so far (ready: connected and moving).
+
+    Not ready is not dead: Kubernetes takes a relay that is not ready out of its Services and
+    rollouts wait for it, but only liveness restarts it, and a restart brings neither a broker
+    nor a database back. So the relay is alive while it waits, and not ready while events
+    wait ``stall_timeout`` seconds for Kafka with none acknowledged meanwhile."""
+
+    def __init__(
+        self,
+        liveness_timeout: float = 60.0,
+        stall_timeout: float = STALL_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._beat = clock()
         self._liveness_timeout = liveness_timeout
+        self._stall_timeout = stall_timeout
         self.readiness: Callable[[], tuple[bool, str]] = lambda: (False, "starting")
+        self.progress: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self._delivered = 0  # delivered when last looked at
+        self._moved = self._beat  # when events last moved, or none waited
 
     def beat(self) -> None:
-        self._beat = time.monotonic()
+        self._beat = self._clock()
 
     def alive(self) -> tuple[bool, str]:
-        stalled = time.monotonic() - self._beat
+        stalled = self._clock() - self._beat
         if stalled > self._liveness_timeout:
             return False, f"loop stalled for {stalled:.0f}s"
         return True, "ok"
 
     def ready(self) -> tuple[bool, str]:
         alive, reason = self.alive()
-        return self.readiness() if alive else (False, reason)
+        if not alive:
+            return False, reason
+        ready, reason = self.readiness()
+        stuck = self._stuck()
+        if ready and stuck:
+            return False, stuck
+        return ready, reason
+
+    def _stuck(self) -> str | None:
+        """Why the relay is not moving: events wait for Kafka and none was acknowledged for
+        ``stall_timeout`` seconds; None while it moves (or nothing waits)."""
+        waiting, delivered = self.progress()
+        now = self._clock()
+        if waiting <= 0 or delivered != self._delivered:
+            self._delivered = delivered
+            self._moved = now
+            return None
+        still = now - self._moved
+        if still < self._stall_timeout:
+            return None
+        return f"{waiting} events waiting for Kafka, none acknowledged for {still:.0f}s"
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -21,7 +21,7 @@ from cdc_relay.kafka import cloudevents
 from cdc_relay.kafka.exactly_once import DEFAULT_CHECKPOINT_TOPIC
 from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template
 from cdc_relay.kafka.sink import producer_config
-from cdc_relay.metrics import Health, serve
+from cdc_relay.metrics import STALL_TIMEOUT, Health, serve
 from cdc_relay.relay.settings import RelaySettings
 
 
@@ -48,7 +48,9 @@ def metrics_options(func: F) -> F:
         type=click.IntRange(0, 65535),
         default=0,
         show_default=True,
-        help="Serve /metrics, /healthz and /readyz on this port; 0 turns them off.",
+        help="Serve /metrics, /healthz (200 while the relay's loop turns) and /readyz (200 "
+        "while connected to PostgreSQL and Kafka and moving: not once events have waited "
+        f"{STALL_TIMEOUT:g} s for Kafka with none acknowledged) on this port; 0 turns them off.",
     )(func)
     return env_option(
         "--metrics-host",
@@ -85,6 +87,8 @@ def log_options(func: F) -> F:
         type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
         default="INFO",
         show_default=True,
+        help="Write log lines of this severity and above: INFO includes the start-up and the "
+        "progress lines (--progress-interval), WARNING only what needs attention.",
     )(func)
 
 

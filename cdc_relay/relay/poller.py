@@ -229,6 +229,11 @@ class PollRelay:
             lambda: any(w.batch.sink.connected for w in self._workers)
         )
         self.health.readiness = self._readiness
+        # Moving: messages the workers' producers hold, and the rows they marked published.
+        self.health.progress = lambda: (
+            sum(w.batch.sink.in_flight() for w in self._workers),
+            sum(w.counts.published for w in self._workers),
+        )
 
     def _readiness(self) -> tuple[bool, str]:
         if not self._listening:

@@ -47,10 +47,11 @@ log = logging.getLogger("cdc_relay.relay.stream")
 
 @dataclass
 class Progress:
-    """What the relay relayed so far, for its progress lines."""
+    """What the relay relayed so far, for its progress lines (and readiness: moving)."""
 
     events: int = 0
     transactions: int = 0
+    acknowledged: int = 0  # events Kafka acknowledged, as of the last tick
     started: float = field(default_factory=time.monotonic)
 
 

@@ -32,8 +32,10 @@ _STANDBY_RETRY = 1.0  # seconds between a standby's attempts to take the slot
 
 class Standby:
     """Opens the relay's stream, standing by while the slot is another relay's (``standing
-    by``: readiness says so); ``stopped`` ends the wait. Kafka's reports are served
-    meanwhile (``sink``), and lost connections count toward the stop (``losses``)."""
+    by``: readiness and cdc_relay_standby say so; ``answered``: whether PostgreSQL answered
+    the last attempt to take it, so that the standby could take over); ``stopped`` ends the
+    wait. Kafka's reports are served meanwhile (``sink``), and lost connections count toward
+    the stop (``losses``)."""
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class Standby:
         self._losses = losses
         self._stopped = stopped
         self.standing_by = False
+        self.answered = False
 
     def acquire(self, open_stream: Callable[[], Source]) -> Source | None:
         """Open the stream. As a standby, wait while another relay holds the slot: PostgreSQL
@@ -59,6 +62,7 @@ class Standby:
             except SlotInUseError as exc:
                 if not self._settings.standby:
                     raise
+                self.answered = True
                 if not self.standing_by:
                     self.standing_by = True
                     log.info(
@@ -71,6 +75,7 @@ class Standby:
                 # to give up (a refusal of its own counts toward the stop, as on reconnects).
                 if not (self._settings.standby and self.standing_by):
                     raise
+                self.answered = False
                 self._losses.count(exc)
                 log.warning(
                     "standing by: %s; trying again",

@@ -47,6 +47,7 @@ from cdc_relay.metrics import (
     LATENCY,
     SHARD,
     SINCE_LAST_EVENT,
+    STANDBY,
     Health,
 )
 from cdc_relay.postgres.connection import timeline_of
@@ -229,13 +230,22 @@ class StreamRelay:
         EVENTS_PENDING.set_function(lambda: self.tracker.in_flight)
         CONFIRMED_LSN.set_function(lambda: max(self._status.sent_flush, 0))
         SINCE_LAST_EVENT.set_function(lambda: time.monotonic() - self._status.last_event)
-        CONNECTED.labels(service="postgres").set_function(lambda: self._connection.conn is not None)
+        standby = self._standby
+        CONNECTED.labels(service="postgres").set_function(
+            lambda: self._connection.conn is not None or (standby.standing_by and standby.answered)
+        )
         CONNECTED.labels(service="kafka").set_function(lambda: self.sink.connected)
+        STANDBY.set_function(lambda: standby.standing_by)
         self.health.readiness = self._readiness
+        # Moving: events in flight, and how many Kafka acknowledged (counted at each tick).
+        self.health.progress = lambda: (self.tracker.in_flight, self.progress.acknowledged)
 
     def _readiness(self) -> tuple[bool, str]:
         if self._standby.standing_by:
-            # Ready to take over: a rolling update may go on while this one waits.
+            # Ready to take over: a rolling update may go on while this one waits; not while
+            # PostgreSQL does not answer (it could not take over) or Kafka is away.
+            if not self._standby.answered:
+                return False, "standing by, PostgreSQL does not answer"
             if not self.sink.connected:
                 return False, "standing by, not connected to Kafka"
             return True, f"standing by for slot {self.settings.slot}"
@@ -373,6 +383,7 @@ class StreamRelay:
         self._maybe_commit()
         if self._acks:
             self._published.inc(self._acks)
+            self.progress.acknowledged += self._acks
             self._acks = 0
         self._status.update(self._received, self._watcher, force)
 

@@ -24,8 +24,12 @@ OVERLAY = DEPLOY / "overlays" / "example"
 STANDBY = DEPLOY / "overlays" / "standby"
 SHARDED = DEPLOY / "overlays" / "sharded"
 RESHARD = DEPLOY / "overlays" / "reshard"
-OVERLAYS = (OVERLAY, STANDBY, SHARDED, RESHARD)
-KUSTOMIZATIONS = (BASE, *OVERLAYS)
+POLL = DEPLOY / "overlays" / "poll"
+# Production overlays: built on the base, with the site's placeholders and the user's Secrets.
+PRODUCTION = (STANDBY, SHARDED, RESHARD, POLL)
+OVERLAYS = (OVERLAY, *PRODUCTION)
+COMPONENTS = (DEPLOY / "components" / "site", DEPLOY / "components" / "kafka-sasl")
+KUSTOMIZATIONS = (BASE, *OVERLAYS, *COMPONENTS)
 METRICS_PORT = 9464
 
 # Every metric cdc-relay exports, by the name Prometheus stores, and its type. The alert
@@ -44,6 +48,7 @@ METRICS = {
     "cdc_relay_events_in_flight": "gauge",
     "cdc_relay_seconds_since_last_event": "gauge",
     "cdc_relay_connected": "gauge",
+    "cdc_relay_standby": "gauge",
 }
 HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 # Their own labels; Prometheus adds the target's (namespace, pod, ...) when it scrapes.
@@ -175,12 +180,18 @@ def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [obj for obj in objects if obj.get("kind") == kind]
 
 
-WORKLOADS = ("Deployment", "StatefulSet", "Job")
+WORKLOADS = ("Deployment", "StatefulSet", "Job", "CronJob")
 
 
 def pod_templates(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(workload, pod template) of every Deployment, StatefulSet and Job."""
-    return [(obj, obj["spec"]["template"]) for obj in objects if obj["kind"] in WORKLOADS]
+    """(workload, pod template) of every Deployment, StatefulSet, Job and CronJob."""
+    return [
+        (obj, obj["spec"]["jobTemplate"]["spec"]["template"])
+        if obj["kind"] == "CronJob"
+        else (obj, obj["spec"]["template"])
+        for obj in objects
+        if obj["kind"] in WORKLOADS
+    ]
 
 
 def command_of(template: dict[str, Any]) -> str:
@@ -197,6 +208,17 @@ def stream_workloads(
         (workload, template)
         for workload, template in pod_templates(objects)
         if command_of(template) == "stream"
+    ]
+
+
+def relay_workloads(
+    objects: list[dict[str, Any]],
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(workload, pod template) of every workload that runs a relay: stream or poll."""
+    return [
+        (workload, template)
+        for workload, template in pod_templates(objects)
+        if command_of(template) in ("stream", "poll")
     ]
 
 

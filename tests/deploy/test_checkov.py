@@ -24,13 +24,14 @@ EXPECTED_SKIPS = {
     # PGPASSWORD from a Secret as an environment variable: libpq has no usable file form here.
     ("CKV_K8S_35", "deploy/base/deployment.yaml"),
     ("CKV_K8S_35", "deploy/base/setup-slot-job.yaml"),
+    ("CKV_K8S_35", "deploy/base/prune-cronjob.yaml"),
     # The base image is an ARG with a pinned default; checkov does not resolve ARGs.
     ("CKV_DOCKER_7", "Dockerfile"),
     # The official postgres entrypoint needs root to start, then drops to postgres itself.
     ("CKV_DOCKER_3", "deploy/compose/postgres.Dockerfile"),
 }
 # The same PGPASSWORD suppression, carried by the workloads into every rendered overlay.
-WORKLOADS_WITH_PGPASSWORD = {"Deployment", "StatefulSet", "Job"}
+WORKLOADS_WITH_PGPASSWORD = {"Deployment", "StatefulSet", "Job", "CronJob"}
 
 
 def checkov(files: list[Path]) -> list[dict[str, Any]]:

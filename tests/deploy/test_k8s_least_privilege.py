@@ -1,6 +1,8 @@
 """Least privilege in deploy/: each workload connects as its own role of sql/roles.sql, from
-its own Secret. The stream pods as the stream role (it reads the slot, changes no outbox row);
-the Jobs as the outbox table's owner (a publication needs it). Neither sees the other's Secret."""
+its own Secret. The stream pods as the stream role (it reads the slot, changes no outbox row),
+the pollers as the poller role (it marks rows); the Jobs as the outbox table's owner (a
+publication needs it); the nightly prune as the pruner role (it deletes confirmed rows). None
+sees another's Secret; only the relays get the Kafka client's (cdc-relay-kafka)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from deploytools import (
     named,
     objects_of,
     of_kind,
+    pod_templates,
+    relay_workloads,
     resource_files,
     secrets_of,
     stream_workloads,
@@ -26,7 +30,10 @@ pytestmark = pytest.mark.deploy
 
 Objects = list[dict[str, Any]]
 STREAM_DB = "cdc-relay-stream-db"
+POLLER_DB = "cdc-relay-poller-db"
 SETUP_DB = "cdc-relay-setup-db"
+PRUNE_DB = "cdc-relay-prune-db"
+KAFKA = "cdc-relay-kafka"
 
 
 def role_of_roles_sql(variable: str) -> str:
@@ -52,13 +59,32 @@ def from_secret(secret: str) -> dict[str, tuple[str, str]]:
     return {"PGUSER": (secret, "username"), "PGPASSWORD": (secret, "password")}
 
 
-def test_the_stream_connects_as_its_role_and_never_sees_the_owners_secret(
+def test_the_relays_connect_as_their_roles_and_never_see_the_owners_secret(
     overlay_objects: Objects,
 ) -> None:
-    for workload, template in stream_workloads(overlay_objects):
+    relays = relay_workloads(overlay_objects)
+    assert relays
+    for workload, template in relays:
         name = workload["metadata"]["name"]
-        assert libpq_environment(template) == from_secret(STREAM_DB), name
-        assert secrets_of(template) == {STREAM_DB}, name
+        streams = (workload, template) in stream_workloads(overlay_objects)
+        secret = STREAM_DB if streams else POLLER_DB
+        assert libpq_environment(template) == from_secret(secret), name
+        assert secrets_of(template) - {KAFKA} == {secret}, name
+
+
+def test_the_nightly_prune_connects_as_the_pruner_and_sees_no_other_secret(
+    overlay_objects: Objects,
+) -> None:
+    """Every overlay prunes but the sharded ones (a shard's slot confirms its rows only)."""
+    prunes = of_kind(overlay_objects, "CronJob")
+    sharded = bool(of_kind(overlay_objects, "StatefulSet"))
+    assert len(prunes) == (0 if sharded else 1)
+    for workload, template in pod_templates(prunes):
+        (container,) = template["spec"]["containers"]
+        assert container["args"][0] == "prune"
+        assert libpq_environment(template) == from_secret(PRUNE_DB)
+        assert secrets_of(template) == {PRUNE_DB}
+        assert workload["spec"]["concurrencyPolicy"] == "Forbid", "one prune at a time"
 
 
 def test_the_jobs_connect_as_the_tables_owner_and_never_see_the_streams_secret(
@@ -82,15 +108,18 @@ def test_the_shared_settings_name_no_role(overlay_objects: Objects) -> None:
             assert "user" not in conninfo_to_dict(table["dsn"])
 
 
-def test_the_example_secrets_hold_two_roles_the_streams_from_roles_sql() -> None:
+def test_the_example_secrets_hold_three_roles_the_streams_and_pruners_from_roles_sql() -> None:
     objects = objects_of(list(resource_files(OVERLAY)))
     stream = named(objects, "Secret", STREAM_DB)
     owner = named(objects, "Secret", SETUP_DB)
-    assert stream is not None and owner is not None
-    for secret in (stream, owner):
+    pruner = named(objects, "Secret", PRUNE_DB)
+    assert stream is not None and owner is not None and pruner is not None
+    for secret in (stream, owner, pruner):
         assert secret["type"] == "kubernetes.io/basic-auth"
         assert set(secret["stringData"]) == {"username", "password"}
     assert stream["stringData"]["username"] == role_of_roles_sql("stream_role")
-    others = {role_of_roles_sql("stream_role"), role_of_roles_sql("poller_role")}
-    assert owner["stringData"]["username"] not in others, "the owner is neither relay role"
-    assert stream["stringData"]["password"] != owner["stringData"]["password"]
+    assert pruner["stringData"]["username"] == role_of_roles_sql("pruner_role")
+    others = {role_of_roles_sql(f"{role}_role") for role in ("stream", "poller", "pruner")}
+    assert owner["stringData"]["username"] not in others, "the owner is no relay role"
+    passwords = {s["stringData"]["password"] for s in (stream, owner, pruner)}
+    assert len(passwords) == 3

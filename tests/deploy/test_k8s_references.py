@@ -18,9 +18,9 @@ from deploytools import (
     named,
     of_kind,
     pod_templates,
+    relay_workloads,
     selects,
     setting,
-    stream_workloads,
 )
 
 pytestmark = pytest.mark.deploy
@@ -43,13 +43,21 @@ def test_kustomization_lists_every_file_of_its_folder(folder: Any) -> None:
 
 
 # What the Jobs of the overlays run: once, as the outbox table's owner.
-ADMIN_COMMANDS = {"setup-slot", "reshard", "drop-slot"}
+ADMIN_COMMANDS = {"setup-slot", "reshard", "drop-slot", "schema"}
+# The Secrets README's Kubernetes section has the user make, and their keys.
+USER_SECRETS = {
+    "cdc-relay-stream-db": {"username", "password"},
+    "cdc-relay-poller-db": {"username", "password"},
+    "cdc-relay-setup-db": {"username", "password"},
+    "cdc-relay-prune-db": {"username", "password"},
+    "cdc-relay-kafka": {"client.properties"},
+}
 
 
-def stream_templates(objects: Objects) -> list[dict[str, Any]]:
-    """The pod template of every stream workload (a Deployment, or StatefulSets of shards)."""
-    templates = [template for _, template in stream_workloads(objects)]
-    assert templates, "no workload runs cdc-relay stream"
+def relay_templates(objects: Objects) -> list[dict[str, Any]]:
+    """The pod template of every relay workload (a Deployment, or StatefulSets of shards)."""
+    templates = [template for _, template in relay_workloads(objects)]
+    assert templates, "no workload runs cdc-relay stream or poll"
     return templates
 
 
@@ -74,6 +82,17 @@ def test_a_stateful_sets_service_exists_and_selects_its_pods(overlay_objects: Ob
         assert selects(service["spec"]["selector"], labels)
 
 
+def secret_keys(objects: Objects, name: str) -> set[str]:
+    """The keys of Secret ``name``: the overlay's own (the example's), or, where the overlay
+    makes no Secret (the production ones), those README has the user make it with."""
+    if of_kind(objects, "Secret"):
+        secret = named(objects, "Secret", name)
+        assert secret, name
+        return {*secret.get("data", {}), *secret.get("stringData", {})}
+    assert name in USER_SECRETS, f"{name}: not a Secret README tells to make"
+    return USER_SECRETS[name]
+
+
 def test_config_secret_and_service_account_references_resolve(overlay_objects: Objects) -> None:
     for _, template in pod_templates(overlay_objects):
         account = template["spec"]["serviceAccountName"]
@@ -82,18 +101,20 @@ def test_config_secret_and_service_account_references_resolve(overlay_objects: O
             for source in container.get("envFrom", []):
                 if "configMapRef" in source:
                     assert named(overlay_objects, "ConfigMap", source["configMapRef"]["name"])
-                if "secretRef" in source:
-                    assert named(overlay_objects, "Secret", source["secretRef"]["name"])
+                assert "secretRef" not in source, "each secret by name and key"
         for volume in template["spec"].get("volumes", []):
             if "configMap" in volume:
                 assert named(overlay_objects, "ConfigMap", volume["configMap"]["name"])
             for variable in container.get("env", []):
                 ref = variable.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
-                    secret = named(overlay_objects, "Secret", ref["name"])
-                    assert secret, ref["name"]
-                    keys = {*secret.get("data", {}), *secret.get("stringData", {})}
-                    assert ref["key"] in keys, ref
+                    assert ref["key"] in secret_keys(overlay_objects, ref["name"]), ref
+            mounted = {mount["name"] for mount in container.get("volumeMounts", [])}
+            for volume in template["spec"].get("volumes", []):
+                if "secret" in volume:
+                    assert volume["name"] in mounted, volume["name"]
+                    keys = secret_keys(overlay_objects, volume["secret"]["secretName"])
+                    assert {item["key"] for item in volume["secret"]["items"]} <= keys
 
 
 def test_the_settings_are_the_relays_and_hold_no_password(overlay_objects: Objects) -> None:
@@ -109,9 +130,9 @@ def test_the_settings_are_the_relays_and_hold_no_password(overlay_objects: Objec
 
 
 def test_probes_use_the_health_endpoints_on_the_metrics_port(overlay_objects: Objects) -> None:
-    for template in stream_templates(overlay_objects):
+    for template in relay_templates(overlay_objects):
         (container,) = template["spec"]["containers"]
-        assert container["args"] == ["stream"]
+        assert container["args"] in (["stream"], ["poll"])
         ports = container_ports(template)
         assert ports == {"metrics": METRICS_PORT}
         expected = {
@@ -126,12 +147,12 @@ def test_probes_use_the_health_endpoints_on_the_metrics_port(overlay_objects: Ob
 
 
 def test_one_stream_per_slot_and_time_to_stop_cleanly(overlay_objects: Objects) -> None:
-    for workload, template in stream_workloads(overlay_objects):
+    for workload, template in relay_workloads(overlay_objects):
+        # A second pod on one slot only waits for it, and only as a standby; pollers share.
         (container,) = template["spec"]["containers"]
         standby = container_env(container).get("CDC_RELAY_STANDBY", "false") == "true"
         standby = standby or setting(overlay_objects, "standby") is True
-        # A second pod on one slot only waits for it, and only as a standby.
-        if workload["kind"] == "Deployment" and not standby:
+        if workload["kind"] == "Deployment" and command_of(template) == "stream" and not standby:
             assert workload["spec"]["replicas"] == 1
             assert workload["spec"]["strategy"] == {"type": "Recreate"}
         grace = template["spec"]["terminationGracePeriodSeconds"]
@@ -143,12 +164,14 @@ def test_the_jobs_run_admin_commands_of_the_same_image(overlay_objects: Objects)
     assert jobs, "no Job sets up the slot"
     images = {
         container["image"]
-        for template in stream_templates(overlay_objects)
+        for template in relay_templates(overlay_objects)
         for container in template["spec"]["containers"]
     }
     for job in jobs:
         (container,) = job["spec"]["template"]["spec"]["containers"]
         assert command_of(job["spec"]["template"]) in ADMIN_COMMANDS, container["args"]
+    for _, template in pod_templates(overlay_objects):
+        (container,) = template["spec"]["containers"]
         assert images == {container["image"]}
         assert re.search(r"@sha256:[0-9a-f]{64}$", container["image"]), "pin the image by digest"
 
@@ -180,7 +203,7 @@ def test_the_metrics_service_and_pod_monitor_reach_the_stream_pods(
 ) -> None:
     (service,) = of_kind(overlay_objects, "Service")
     (monitor,) = of_kind(overlay_objects, "PodMonitor")
-    for template in stream_templates(overlay_objects):
+    for template in relay_templates(overlay_objects):
         labels = template["metadata"]["labels"]
         ports = container_ports(template)
         assert selects(service["spec"]["selector"], labels)
@@ -201,7 +224,7 @@ def test_the_disruption_budget_covers_the_stream_and_lets_drains_proceed(
     overlay_objects: Objects,
 ) -> None:
     (budget,) = of_kind(overlay_objects, "PodDisruptionBudget")
-    for template in stream_templates(overlay_objects):
+    for template in relay_templates(overlay_objects):
         assert selects(budget["spec"]["selector"], template["metadata"]["labels"])
     assert budget["spec"].get("maxUnavailable") == 1 and "minAvailable" not in budget["spec"]
 
@@ -216,7 +239,7 @@ def test_the_network_policy_lets_in_scrapes_and_out_dns_postgres_kafka(
         assert selects(spec["podSelector"], template["metadata"]["labels"])
     ports = {
         name: number
-        for template in stream_templates(overlay_objects)
+        for template in relay_templates(overlay_objects)
         for name, number in container_ports(template).items()
     }
     (ingress,) = spec["ingress"]

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 from deploytools import (
-    OVERLAY,
     RESHARD,
     SHARDED,
+    STANDBY,
     expanded_env,
     kustomize_command,
     named,
@@ -119,15 +119,20 @@ def test_the_setup_job_makes_as_many_shards_as_there_are_pods(sharded: Objects) 
     assert "--shards" in options("setup-slot")
 
 
-def test_the_shards_run_the_example_deployments_pod(sharded: Objects) -> None:
-    """Probes, port, security context, Secret, image: all the base's, only the shard added."""
-    deployment = named(render(OVERLAY), "Deployment", "cdc-relay")
+def test_the_shards_run_the_production_deployments_pod(sharded: Objects) -> None:
+    """Probes, port, security context, Secrets, image, anti-affinity: all the standby
+    overlay's pod (the base's with the site's and the Kafka client's), only the shard added
+    and no --standby."""
+    deployment = named(render(STANDBY), "Deployment", "cdc-relay")
     assert deployment is not None
+    expected = copy.deepcopy(deployment["spec"]["template"])
+    container = the_container(expected)
+    container["env"] = [v for v in container["env"] if v["name"] != "CDC_RELAY_STANDBY"]
     statefulset = the_statefulset(sharded)
     template = copy.deepcopy(statefulset["spec"]["template"])
     container = the_container(template)
     container["env"] = [v for v in container["env"] if v["name"] not in SHARD_SETTINGS]
-    assert template == deployment["spec"]["template"]
+    assert template == expected
     assert statefulset["spec"]["selector"] == deployment["spec"]["selector"]
     assert statefulset["metadata"]["labels"] == deployment["metadata"]["labels"]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from deploytools import STANDBY, container_env, kustomize_command, named, render
+from deploytools import STANDBY, kustomize_command, named, render
 
 from cdc_relay.commands.cli import cli
 
@@ -22,6 +22,11 @@ def test_standby_overlay_runs_two_replicas_with_standby_and_rolling_updates() ->
         "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
     }
     (container,) = spec["template"]["spec"]["containers"]
-    assert container_env(container)["CDC_RELAY_STANDBY"] == "true"
+    assert container["args"] == ["stream"]
+    assert {"name": "CDC_RELAY_STANDBY", "value": "true"} in container["env"]
     standby = next(p for p in cli.commands["stream"].params if p.name == "standby")
     assert standby.envvar == "CDC_RELAY_STANDBY"
+    context = cli.commands["stream"].make_context(
+        "stream", ["--dsn", "dbname=shop", "--kafka-bootstrap", "k:9092"]
+    )
+    assert context.params["standby"] is False, "the variable unset, no standby"

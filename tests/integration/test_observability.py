@@ -182,3 +182,46 @@ def test_logs_never_show_the_password(
         with psycopg.connect(outbox_db, autocommit=True) as conn:
             conn.execute(f"DROP OWNED BY {role}")
             conn.execute(f"DROP ROLE {role}")
+
+
+def readyz(port: int) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as response:
+            return int(response.status), response.read().decode().strip()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode().strip()
+
+
+def test_a_waiting_standby_exports_its_role_and_is_ready_until_it_streams(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """The standby overlay's pair: the waiting relay says cdc_relay_standby 1 and is
+    connected to PostgreSQL (the server answers its attempts to take the slot), so the alert
+    rules leave it alone; once the first relay stops, it streams and says 0."""
+    setup_slot(outbox_db, names)
+    first_port, second_port = free_ports(2)
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, standby="true")
+    env.update(CDC_RELAY_METRICS_HOST="127.0.0.1")
+    first = RelayProcess(tmp_path, {**env, "CDC_RELAY_METRICS_PORT": str(first_port)}, "first")
+    second = RelayProcess(tmp_path, {**env, "CDC_RELAY_METRICS_PORT": str(second_port)}, "second")
+    postgres = 'cdc_relay_connected{service="postgres"}'
+    try:
+        first.start()
+        wait_until(lambda: _up(first_port) and readyz(first_port)[0] == 200, 60, "first ready")
+        second.start()
+        wait_until(lambda: "standing by" in second.log(), 60, "the second relay standing by")
+        wait_until(lambda: _up(second_port) and readyz(second_port)[0] == 200, 60, "its readiness")
+        assert readyz(second_port) == (200, f"standing by for slot {names.slot}")
+        waiting, streaming = scrape(second_port), scrape(first_port)
+        assert (waiting["cdc_relay_standby"], waiting[postgres]) == (1, 1)
+        assert (streaming["cdc_relay_standby"], streaming[postgres]) == (0, 1)
+        assert readyz(first_port) == (200, "ok")
+
+        assert first.stop() == 0
+        wait_until(lambda: scrape(second_port)["cdc_relay_standby"] == 0, 60, "the takeover")
+        assert scrape(second_port)[postgres] == 1
+        wait_until(lambda: readyz(second_port) == (200, "ok"), 30, "ready as the streaming one")
+        assert second.stop() == 0
+    finally:
+        first.close()
+        second.close()
