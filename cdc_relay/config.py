@@ -1,9 +1,11 @@
-"""Options shared by the commands: names, defaults, environment variables, parsing."""
+"""Options shared by the commands: names, defaults, environment variables, the configuration
+file's reading, parsing, and secrets hidden."""
 
 from __future__ import annotations
 
 import os
 import re
+import tomllib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,30 @@ SASL_PASSWORD_ENV = ENV_PREFIX + "KAFKA_SASL_PASSWORD"
 
 
 def env(option: str) -> str:
-    """The environment variable of an option: ``--kafka-bootstrap`` -> CDC_RELAY_KAFKA_BOOTSTRAP."""
+    """The environment variable of an option: ``--kafka-bootstrap`` -> CDC_RELAY_KAFKA_BOOTSTRAP.
+    The one naming rule: every option of every command has the variable of its long name."""
     return ENV_PREFIX + option.lstrip("-").replace("-", "_").upper()
+
+
+CONFIG_ENV = env("--config")
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The configuration file's tables, as tomllib reads them; a file that cannot be read, or
+    is not TOML, is a UsageError naming it. tomllib's message names a line and a column, never
+    a value (which may be secret)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read the config file {path}: {exc.strerror}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"the config file {path} is not UTF-8; write it as TOML") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(
+            f'the config file {path} is not TOML: {exc}; see README.md, "The configuration file"'
+        ) from None
 
 
 def kafka_settings(
@@ -133,7 +157,7 @@ def hide_passwords(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             if option not in SAFER_PLACES or not equals:
                 hidden.append(arg)
                 continue
-        masked = _hide_dsn_password(value) if option == "--dsn" else _hide_secret_setting(value)
+        masked = hide_dsn_password(value) if option == "--dsn" else hide_secret_setting(value)
         if masked is None:
             hidden.append(arg)
             continue
@@ -143,7 +167,7 @@ def hide_passwords(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return hidden, found
 
 
-def _hide_dsn_password(dsn: str) -> str | None:
+def hide_dsn_password(dsn: str) -> str | None:
     """``dsn`` with ``***`` for its password, or None when it has none."""
     try:
         params = conninfo_to_dict(dsn)
@@ -156,7 +180,7 @@ def _hide_dsn_password(dsn: str) -> str | None:
     return make_conninfo("", **masked)
 
 
-def _hide_secret_setting(pair: str) -> str | None:
+def hide_secret_setting(pair: str) -> str | None:
     """A ``--kafka-config`` setting with ``***`` for its value when it is a secret, else None."""
     try:
         key, _ = _pair(pair, "--kafka-config")

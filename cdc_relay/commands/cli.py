@@ -1,5 +1,5 @@
-"""The ``cdc-relay`` command group: its commands (a module each) registered, and ``main``,
-which shows the errors users can meet as one line, not a traceback."""
+"""The ``cdc-relay`` command group: its commands (a module each) registered, ``--config`` given
+to each, and ``main``, which shows the errors users can meet as one line, not a traceback."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import click
 
 from cdc_relay import __version__
 from cdc_relay.commands import stops
+from cdc_relay.commands.config_file import commands_below, config_option
+from cdc_relay.commands.config_show import config_group
 from cdc_relay.commands.dead_letters import dead_letters_group
 from cdc_relay.commands.drop_slot import drop_slot
 from cdc_relay.commands.poll import poll
@@ -29,7 +31,10 @@ from cdc_relay.errors import RelayError
 def cli(ctx: click.Context) -> None:
     """Relay transactional-outbox events from PostgreSQL to Kafka.
 
-    Every option can also be set by its CDC_RELAY_* environment variable.
+    Every option of every command is also an environment variable, CDC_RELAY_ and its long
+    name (--kafka-bootstrap: CDC_RELAY_KAFKA_BOOTSTRAP), and a key of the --config file
+    (kafka-bootstrap = "..."). A flag wins over the variable, the variable over the file.
+    cdc-relay config show COMMAND prints what COMMAND gets, and from where.
     """
     if ctx.invoked_subcommand not in _RELAYS:
         stops.restore_stops()  # the other commands stop as any program does
@@ -49,8 +54,12 @@ for command in (
     poll,
     dead_letters_group,
     prune_command,
+    config_group,
 ):
     cli.add_command(command)
+
+for _, _command in commands_below(cli):
+    _command.params.insert(0, config_option())
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import uuid
 
 import click
 
-from cdc_relay.commands.options import outbox_options
+from cdc_relay.commands.options import env_option, outbox_options
 from cdc_relay.errors import RelayError, UsageError
 from cdc_relay.kafka.deadletter import dead_letters, retry_dead_letters
 
@@ -20,10 +20,8 @@ def dead_letters_group() -> None:
 
 @dead_letters_group.command("list")
 @outbox_options
-@click.option("--json", "as_json", is_flag=True, help="A JSON array instead of a table.")
-@click.option(
-    "--limit", type=click.IntRange(1), default=100, show_default=True, help="Oldest first."
-)
+@env_option("--json", "as_json", is_flag=True, help="A JSON array instead of a table.")
+@env_option("--limit", type=click.IntRange(1), default=100, show_default=True, help="Oldest first.")
 def dead_letters_list(dsn: str, table: str, as_json: bool, limit: int) -> None:
     """List dead letters, oldest first, with their last error."""
     rows = dead_letters(dsn, table, limit)
@@ -52,8 +50,8 @@ def dead_letters_list(dsn: str, table: str, as_json: bool, limit: int) -> None:
 
 @dead_letters_group.command("retry")
 @outbox_options
-@click.option("--id", "ids", multiple=True, metavar="UUID", help="A dead letter; repeatable.")
-@click.option("--all", "retry_all", is_flag=True, help="Every dead letter.")
+@env_option("--id", "ids", multiple=True, metavar="UUID", help="A dead letter; repeatable.")
+@env_option("--all", "retry_all", is_flag=True, help="Every dead letter.")
 def dead_letters_retry(dsn: str, table: str, ids: tuple[str, ...], retry_all: bool) -> None:
     """Give dead letters another try: attempts start again from 0 and a poller takes them.
 

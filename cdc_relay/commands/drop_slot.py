@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import click
 
-from cdc_relay.commands.options import SHARDS, database_options, slot_specs
+from cdc_relay.commands.options import SHARDS, database_options, env_option, slot_specs
 from cdc_relay.postgres.slot import drop
 
 
 @click.command("drop-slot")
 @database_options
 @SHARDS
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@env_option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def drop_slot(
     dsn: str, slot: str, publication: str, table: str, shards: int | None, yes: bool
 ) -> None:

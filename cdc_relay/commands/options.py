@@ -1,17 +1,20 @@
 """The options the commands share: ``env_option`` (each also read from its CDC_RELAY_*
-variable), the types and callbacks that check a value (``Seconds``, ``age``, ``since``), and the
-database's options (dsn, slot, publication, outbox tables, columns, shards, message writers).
+variable, the one naming rule; the file of ``--config`` is config_file.py's), the types and
+callbacks that check a value (``Seconds``, ``age``, ``since``), and the database's options
+(dsn, slot, publication, outbox tables, columns, shards, message writers).
 Kafka's and a relay's options are in ``kafka_options``."""
 
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import click
+from click.core import ParameterSource
 
 from cdc_relay.config import DEFAULT_PUBLICATION, DEFAULT_SLOT, DEFAULT_TABLE, checked_dsn, env
 from cdc_relay.postgres.messages import DEFAULT_WRITER
@@ -21,9 +24,33 @@ from cdc_relay.postgres.slot import SlotSpec
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def env_option(name: str, *more: str, **kwargs: Any) -> Callable[[F], F]:
-    """A click option that also reads CDC_RELAY_<NAME> and shows it in --help."""
-    return click.option(name, *more, envvar=env(name), show_envvar=True, **kwargs)
+def env_option(
+    name: str, *more: str, deprecated_envvar: str | None = None, **kwargs: Any
+) -> Callable[[F], F]:
+    """A click option that also reads CDC_RELAY_<NAME> and shows it in --help; with
+    ``deprecated_envvar``, also an older name, read after the new one, with a warning."""
+    if deprecated_envvar is None:
+        return click.option(name, *more, envvar=env(name), show_envvar=True, **kwargs)
+    callback = kwargs.pop("callback", None)
+
+    def warn(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        source = ctx.get_parameter_source(str(param.name))
+        if source is ParameterSource.ENVIRONMENT and not os.environ.get(env(name)):
+            click.echo(
+                f"cdc-relay: warning: {deprecated_envvar} is deprecated; set {env(name)} "
+                f"instead (or {name[2:]} in the config file's [{ctx.command.name}])",
+                err=True,
+            )
+        return value if callback is None else callback(ctx, param, value)
+
+    return click.option(
+        name,
+        *more,
+        envvar=[env(name), deprecated_envvar],
+        show_envvar=True,
+        callback=warn,
+        **kwargs,
+    )
 
 
 def _dsn(ctx: click.Context, param: click.Parameter, value: str) -> str:

@@ -13,6 +13,12 @@ from cdc_relay.lsn import format_lsn
 from cdc_relay.ops.prune import prune_confirmed, prune_processed
 
 
+def _slot(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    # "" names no slot: a file shared with the stream may give slot = "" in [prune] for an
+    # outbox the poller relays (a table cannot take a key of the top level away)
+    return value or None
+
+
 @click.command("prune")
 @outbox_options
 @env_option(
@@ -23,13 +29,15 @@ from cdc_relay.ops.prune import prune_confirmed, prune_processed
     help="Delete rows processed (with --slot: created) longer ago than this: 90s, 30m, 12h, "
     "7d, 2w (at most 100 years).",
 )
-@click.option(
+@env_option(
     "--slot",
     metavar="SLOT",
-    envvar="CDC_RELAY_PRUNE_SLOT",
-    show_envvar=True,
+    deprecated_envvar="CDC_RELAY_PRUNE_SLOT",
+    callback=_slot,
     help="For an outbox cdc-relay stream relays: the slot it reads. Rows go once the slot has "
-    "confirmed their transaction, whatever their processed_at.",
+    "confirmed their transaction, whatever their processed_at. CDC_RELAY_SLOT and a slot in "
+    "the config file count too: where they are the stream's but the outbox is polled, give "
+    'slot = "" in [prune] (processed rows).',
 )
 @env_option(
     "--publication",
@@ -38,22 +46,20 @@ from cdc_relay.ops.prune import prune_confirmed, prune_processed
     help="With --slot (pgoutput): the publication cdc-relay stream reads, which must cover "
     "the table.",
 )
-@click.option(
+@env_option(
     "--batch-size",
     type=click.IntRange(1),
     default=10_000,
     show_default=True,
-    envvar="CDC_RELAY_PRUNE_BATCH_SIZE",
-    show_envvar=True,
+    deprecated_envvar="CDC_RELAY_PRUNE_BATCH_SIZE",
     help="Rows deleted per transaction.",
 )
-@click.option(
+@env_option(
     "--wait",
     type=Seconds(0, 3600),
     default=30.0,
     show_default=True,
-    envvar="CDC_RELAY_PRUNE_WAIT",
-    show_envvar=True,
+    deprecated_envvar="CDC_RELAY_PRUNE_WAIT",
     help="With --slot: seconds to wait for the slot to confirm the WAL position the prune "
     "starts at; if it does not, nothing is deleted (exit 1).",
 )

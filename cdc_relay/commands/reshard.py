@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from cdc_relay.commands.options import COLUMNS, database_options
+from cdc_relay.commands.options import COLUMNS, database_options, env_option
 from cdc_relay.errors import UsageError
 from cdc_relay.events import OutboxLayout
 from cdc_relay.postgres.reshard import reshard
@@ -14,14 +14,14 @@ from cdc_relay.postgres.slot import SlotSpec
 
 @click.command("reshard")
 @database_options
-@click.option(
+@env_option(
     "--from",
     "before",
     type=click.IntRange(1, MAX_SHARDS),
     required=True,
     help="The shard count the relays stream now; 1 for the slot without shards.",
 )
-@click.option(
+@env_option(
     "--to",
     "after",
     type=click.IntRange(1, MAX_SHARDS),

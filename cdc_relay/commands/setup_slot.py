@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 import click
+from click.core import ParameterSource
 
 from cdc_relay import logs
 from cdc_relay.commands.kafka_options import CHECKPOINT_TOPIC, WireOptions, wire_options
@@ -32,6 +33,8 @@ from cdc_relay.postgres.messages import writers_problem
 from cdc_relay.postgres.slot import setup
 from cdc_relay.relay.worker import PollSettings
 
+COMMANDLINE = ParameterSource.COMMANDLINE
+
 
 @click.command("setup-slot")
 @several_tables_options
@@ -44,10 +47,8 @@ from cdc_relay.relay.worker import PollSettings
 )
 @SHARDS
 @COLUMNS
-@click.option(
-    "--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing."
-)
-@click.option(
+@env_option("--dry-run", is_flag=True, help="Check the database and print the SQL; change nothing.")
+@env_option(
     "--from-poller",
     is_flag=True,
     help="Take over from cdc-relay poll (stopped first): create the slot with an exported "
@@ -62,7 +63,7 @@ from cdc_relay.relay.worker import PollSettings
     "since TIME (ISO 8601 with a zone, or an age: 30m, 2h, 7d) committed in it; stream takes "
     "the rest.",
 )
-@click.option(
+@env_option(
     "--accept-gap",
     is_flag=True,
     help="Make a slot that existed and is gone anew at the WAL's position now, skipping what "
@@ -74,7 +75,9 @@ from cdc_relay.relay.worker import PollSettings
     "header_columns",
     multiple=True,
     metavar="COLUMN",
-    help="With --republish-since: send this column as a header, as stream does; repeatable.",
+    help="With --republish-since: send this column as a header, as stream does; repeatable. "
+    "Stream's, from its variable or the config file, serves only then; the flag without "
+    "--republish-since is refused.",
 )
 @trace_column_option(
     "With --republish-since or --from-poller (ignored otherwise, so that one setting serves "
@@ -86,7 +89,7 @@ from cdc_relay.relay.worker import PollSettings
     help="Create the outbox table (cdc-relay schema show outbox) when it is missing; the "
     "role of --dsn then owns it. --table must then name an outbox_events table.",
 )
-@click.option(
+@env_option(
     "--failover",
     "failover_slot",
     is_flag=True,
@@ -212,10 +215,13 @@ def setup_slot(
         else:
             click.echo(f"exists: dead-letter topic {dead_letter_topic}")
     if header_columns and republish_since is None:
-        raise UsageError(
-            "--header-column is for --republish-since, which publishes what stream would: give "
-            "it there, or leave it out"
-        )
+        # Given in the environment or the config file, it is the one stream reads, shared with
+        # this command (one ConfigMap for both): it serves a republish, and nothing else here.
+        if click.get_current_context().get_parameter_source("header_columns") is COMMANDLINE:
+            raise UsageError(
+                "--header-column is for --republish-since, which publishes what stream would: "
+                "give it there, or leave it out"
+            )
     if accept_gap and (republish_since is not None or from_poller):
         raise UsageError(
             "--accept-gap skips what a lost slot had not relayed, --republish-since and "

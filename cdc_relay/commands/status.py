@@ -32,26 +32,26 @@ from cdc_relay.postgres.messages import writers_problem
 @click.command("status")
 @database_options
 @SHARDS
-@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
-@click.option(
+@env_option("--json", "as_json", is_flag=True, help="One JSON object instead of a table.")
+@env_option(
     "--max-wal-retained",
     type=int,
     metavar="BYTES",
     help="Exit 3 when the slot holds back more WAL than this.",
 )
-@click.option(
+@env_option(
     "--max-unprocessed", type=int, metavar="N", help="Exit 3 above N unprocessed rows (poller)."
 )
-@click.option(
+@env_option(
     "--max-unconfirmed",
     type=int,
     metavar="N",
     help="Exit 3 above N rows the slot has not confirmed (stream), or when it cannot tell.",
 )
-@click.option(
+@env_option(
     "--max-dead-letters", type=int, metavar="N", help="Exit 3 above N dead letters (poller)."
 )
-@click.option("--require-active", is_flag=True, help="Exit 3 when no relay streams the slot.")
+@env_option("--require-active", is_flag=True, help="Exit 3 when no relay streams the slot.")
 @env_option(
     "--require-failover-ready",
     is_flag=True,
@@ -59,7 +59,7 @@ from cdc_relay.postgres.messages import writers_problem
     "holds a usable copy of it (synchronised, persistent, not invalidated): a failover now "
     "would lose the slot otherwise.",
 )
-@click.option(
+@env_option(
     "--wait",
     type=Seconds(0, 3600),
     default=5.0,

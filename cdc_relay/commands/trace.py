@@ -25,14 +25,14 @@ from cdc_relay.ops.trace import TraceSettings, summary, trace
     show_default=True,
     help="Prefix of pg_logical_emit_message() messages that carry events.",
 )
-@click.option(
+@env_option(
     "--max-changes",
     type=click.IntRange(1),
     default=100_000,
     show_default=True,
     help="Changes the slot has not confirmed to read at most, looking for the event.",
 )
-@click.option(
+@env_option(
     "--max-wal-bytes",
     type=click.IntRange(1),
     default=1_000_000_000,
@@ -41,21 +41,21 @@ from cdc_relay.ops.trace import TraceSettings, summary, trace
     help="WAL to decode at most from the slot's restart position, looking for the event "
     "(decoding reads other tables' changes too, on the server).",
 )
-@click.option(
+@env_option(
     "--max-messages",
     type=click.IntRange(1),
     default=10_000,
     show_default=True,
     help="Messages to scan at most per partition, from the event's time on.",
 )
-@click.option(
+@env_option(
     "--clock-skew",
     type=Seconds(0, 86400),
     default=60.0,
     show_default=True,
     help="Seconds to look back on Kafka before the event's time (clocks differ).",
 )
-@click.option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
+@env_option("--json", "as_json", is_flag=True, help="One JSON object instead of lines.")
 def trace_command(
     event_id: str,
     dsn: str,

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,30 @@ def series_names() -> set[str]:
         else:
             names.add(name)
     return names
+
+
+CONFIG_FILE = "cdc-relay.toml"
+"""The key of the ConfigMap cdc-relay: the file every workload reads from CDC_RELAY_CONFIG."""
+
+
+def config_file(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    """The settings of the ConfigMap cdc-relay, its cdc-relay.toml as tomllib reads it."""
+    config = named(objects, "ConfigMap", "cdc-relay")
+    assert config is not None, "no ConfigMap cdc-relay"
+    assert set(config["data"]) == {CONFIG_FILE}, "the ConfigMap holds the file, nothing else"
+    return tomllib.loads(config["data"][CONFIG_FILE])
+
+
+def setting(objects: list[dict[str, Any]], key: str, command: str = "stream") -> Any:
+    """What the ConfigMap's file sets ``key`` to for ``command``: its table's, else the top
+    level's (config_file.py's rule), or None."""
+    settings = config_file(objects)
+    return settings.get(command, {}).get(key, settings.get(key))
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's plain variables (value, not valueFrom)."""
+    return {v["name"]: v["value"] for v in container.get("env", []) if "value" in v}
 
 
 def relay_settings(*commands: str) -> set[str]:

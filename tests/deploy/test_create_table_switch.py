@@ -1,9 +1,12 @@
-"""The setup Job creates a missing outbox table only when the ConfigMap turns it on."""
+"""The setup Job creates a missing outbox table only when the ConfigMap's file turns it on."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import click
 import pytest
-from deploytools import BASE, named, objects_of, resource_files
+from deploytools import BASE, CONFIG_FILE, named, objects_of, resource_files
 
 from cdc_relay.commands.cli import cli
 
@@ -11,22 +14,25 @@ pytestmark = pytest.mark.deploy
 
 
 def test_the_setup_job_creates_the_table_when_the_configmap_says_true(
-    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     objects = objects_of(resource_files(BASE))
     config = named(objects, "ConfigMap", "cdc-relay")
     job = named(objects, "Job", "cdc-relay-setup-slot")
     assert config is not None and job is not None
-    assert config["data"]["CDC_RELAY_CREATE_TABLE"] == "false"  # off unless an overlay says so
+    text = config["data"][CONFIG_FILE]
+    assert "\ncreate-table = false\n" in text  # off unless an overlay says so
     (container,) = job["spec"]["template"]["spec"]["containers"]
     assert container["args"][0] == "setup-slot"
-    assert {"configMapRef": {"name": "cdc-relay"}} in container["envFrom"]
     setup = cli.commands["setup-slot"]
     option = next(p for p in setup.params if p.name == "create_table")
     assert option.envvar == "CDC_RELAY_CREATE_TABLE"
-    # The stream pods read the same ConfigMap: the setting means nothing to them.
+    # The stream pods read the same file: the setting, in [setup-slot], is nothing to them.
     assert "create_table" not in {p.name for p in cli.commands["stream"].params}
     for value, expected in (("false", False), ("true", True)):
-        monkeypatch.setenv("CDC_RELAY_CREATE_TABLE", value)
-        context = setup.make_context("setup-slot", ["--dsn", "dbname=shop"])
+        path = tmp_path / CONFIG_FILE
+        path.write_text(text.replace("create-table = false", f"create-table = {value}"))
+        monkeypatch.setenv("CDC_RELAY_CONFIG", str(path))
+        parent = click.Context(cli, info_name="cdc-relay")
+        context = setup.make_context("setup-slot", [], parent=parent)
         assert context.params["create_table"] is expected

@@ -11,14 +11,16 @@ from deploytools import (
     METRICS_PORT,
     ROOT,
     command_of,
+    config_file,
+    container_env,
     container_ports,
     kustomization,
     named,
     of_kind,
     pod_templates,
-    relay_settings,
     relay_workloads,
     selects,
+    setting,
 )
 
 pytestmark = pytest.mark.deploy
@@ -100,6 +102,9 @@ def test_config_secret_and_service_account_references_resolve(overlay_objects: O
                 if "configMapRef" in source:
                     assert named(overlay_objects, "ConfigMap", source["configMapRef"]["name"])
                 assert "secretRef" not in source, "each secret by name and key"
+        for volume in template["spec"].get("volumes", []):
+            if "configMap" in volume:
+                assert named(overlay_objects, "ConfigMap", volume["configMap"]["name"])
             for variable in container.get("env", []):
                 ref = variable.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
@@ -113,14 +118,11 @@ def test_config_secret_and_service_account_references_resolve(overlay_objects: O
 
 
 def test_the_settings_are_the_relays_and_hold_no_password(overlay_objects: Objects) -> None:
-    data = named(overlay_objects, "ConfigMap", "cdc-relay")
-    assert data is not None
-    settings = data["data"]
-    known = relay_settings("stream", "setup-slot")
-    assert set(settings) <= known, f"not read by stream or setup-slot: {set(settings) - known}"
-    assert {"CDC_RELAY_DSN", "CDC_RELAY_KAFKA_BOOTSTRAP"} <= set(settings)
-    assert not re.search(r"password|://[^/@]*:[^/@]*@", settings["CDC_RELAY_DSN"], re.I)
-    assert settings["CDC_RELAY_METRICS_PORT"] == str(METRICS_PORT)
+    settings = config_file(overlay_objects)
+    assert {"dsn", "kafka-bootstrap"} <= set(settings)
+    assert not re.search(r"password|://[^/@]*:[^/@]*@", settings["dsn"], re.I)
+    assert not [key for key in settings if "password" in key]
+    assert setting(overlay_objects, "metrics-port") == METRICS_PORT
     for _, template in pod_templates(overlay_objects):
         for container in containers(template):
             assert not any(v["name"] == "PGPASSWORD" and "value" in v for v in container["env"])
@@ -145,19 +147,16 @@ def test_probes_use_the_health_endpoints_on_the_metrics_port(overlay_objects: Ob
 
 
 def test_one_stream_per_slot_and_time_to_stop_cleanly(overlay_objects: Objects) -> None:
-    settings = named(overlay_objects, "ConfigMap", "cdc-relay")
-    assert settings is not None
     for workload, template in relay_workloads(overlay_objects):
         # A second pod on one slot only waits for it, and only as a standby; pollers share.
         (container,) = template["spec"]["containers"]
-        env = {v["name"]: v.get("value") for v in container.get("env", [])}
-        shared = settings["data"].get("CDC_RELAY_STANDBY")
-        standby = "true" in (env.get("CDC_RELAY_STANDBY"), shared)
+        standby = container_env(container).get("CDC_RELAY_STANDBY", "false") == "true"
+        standby = standby or setting(overlay_objects, "standby") is True
         if workload["kind"] == "Deployment" and command_of(template) == "stream" and not standby:
             assert workload["spec"]["replicas"] == 1
             assert workload["spec"]["strategy"] == {"type": "Recreate"}
         grace = template["spec"]["terminationGracePeriodSeconds"]
-        assert grace > float(settings["data"]["CDC_RELAY_SHUTDOWN_TIMEOUT"])
+        assert grace > float(setting(overlay_objects, "shutdown-timeout"))
 
 
 def test_the_jobs_run_admin_commands_of_the_same_image(overlay_objects: Objects) -> None:
@@ -247,14 +246,10 @@ def test_the_network_policy_lets_in_scrapes_and_out_dns_postgres_kafka(
     assert [port["port"] for port in ingress["ports"]] in (["metrics"], [METRICS_PORT])
     assert all(port["port"] in ports or port["port"] in ports.values() for port in ingress["ports"])
 
-    settings = named(overlay_objects, "ConfigMap", "cdc-relay")
-    assert settings is not None
-    data = settings["data"]
-    dsn_port = re.search(r"\bport=(\d+)", data["CDC_RELAY_DSN"])
+    data = config_file(overlay_objects)
+    dsn_port = re.search(r"\bport=(\d+)", data["dsn"])
     wanted = {DNS_PORT, int(dsn_port.group(1)) if dsn_port else POSTGRES_PORT}
-    wanted |= {
-        int(server.rsplit(":", 1)[1]) for server in data["CDC_RELAY_KAFKA_BOOTSTRAP"].split(",")
-    }
+    wanted |= {int(server.rsplit(":", 1)[1]) for server in data["kafka-bootstrap"].split(",")}
     allowed = {port["port"] for rule in spec["egress"] for port in rule["ports"]}
     assert allowed == wanted, "egress: exactly DNS, the database's port and the brokers' ports"
     for rule in spec["egress"]:

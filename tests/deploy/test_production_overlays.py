@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from deploytools import (
     BASE,
+    CONFIG_FILE,
     DEPLOY,
     OVERLAY,
     POLL,
     PRODUCTION,
     ROOT,
     command_of,
+    config_file,
     kustomization,
     kustomize_command,
     named,
@@ -58,10 +62,9 @@ def production(request: pytest.FixtureRequest) -> Objects:
 def example_values() -> set[str]:
     """What the example overlay names of its site: hosts, addresses, image, passwords."""
     objects = render(OVERLAY)
-    settings = named(objects, "ConfigMap", "cdc-relay")
-    assert settings is not None
-    values = {conninfo_to_dict(settings["data"]["CDC_RELAY_DSN"])["host"]}
-    brokers = settings["data"]["CDC_RELAY_KAFKA_BOOTSTRAP"].split(",")
+    settings = config_file(objects)
+    values = {conninfo_to_dict(settings["dsn"])["host"]}
+    brokers = settings["kafka-bootstrap"].split(",")
     values |= {server.rsplit(":", 1)[0] for server in brokers}
     policy = named(objects, "NetworkPolicy", "cdc-relay")
     assert policy is not None
@@ -100,11 +103,9 @@ def test_no_secret_and_nothing_of_the_example(production: Objects) -> None:
 
 
 def test_the_sites_placeholders_reach_nothing(production: Objects) -> None:
-    settings = named(production, "ConfigMap", "cdc-relay")
-    assert settings is not None
-    data = settings["data"]
-    hosts = [conninfo_to_dict(data["CDC_RELAY_DSN"])["host"]]
-    hosts += [server.rsplit(":", 1)[0] for server in data["CDC_RELAY_KAFKA_BOOTSTRAP"].split(",")]
+    data = config_file(production)
+    hosts = [conninfo_to_dict(data["dsn"])["host"]]
+    hosts += [server.rsplit(":", 1)[0] for server in data["kafka-bootstrap"].split(",")]
     for _, template in pod_templates(production):
         for container in template["spec"]["containers"]:
             hosts.append(container["image"].split("/", 1)[0])
@@ -198,7 +199,8 @@ def test_the_relays_read_the_kafka_client_properties_from_the_secret(production:
     # The Jobs and the prune talk to PostgreSQL alone: no Kafka Secret for them.
     for _, template in pod_templates(production):
         if command_of(template) not in ("stream", "poll"):
-            assert not template["spec"].get("volumes"), "no Kafka credentials"
+            volumes = template["spec"].get("volumes", [])
+            assert not [v for v in volumes if "secret" in v], "no Kafka credentials"
 
 
 def test_the_example_keeps_its_kafka_settings_in_the_configmap() -> None:
@@ -216,20 +218,26 @@ def the_prune(objects: Objects) -> tuple[dict[str, Any], list[str]]:
     return cronjob, list(container["args"])
 
 
-def prune_params(args: list[str]) -> dict[str, Any]:
-    """The options prune would run with: its command line accepts the CronJob's args."""
-    context = cli.commands["prune"].make_context("prune", [*args[1:], "--dsn", "dbname=shop"])
+def prune_params(objects: Objects, args: list[str], tmp_path: Path) -> dict[str, Any]:
+    """The options prune would run with: the CronJob's args over the ConfigMap's file, which
+    its pod mounts (tests/deploy/test_k8s_config_file.py checks where)."""
+    config = named(objects, "ConfigMap", "cdc-relay")
+    assert config is not None
+    path = tmp_path / CONFIG_FILE
+    path.write_text(config["data"][CONFIG_FILE])
+    parent = click.Context(cli, info_name="cdc-relay")
+    context = cli.commands["prune"].make_context(
+        "prune", [*args[1:], "--config", str(path)], parent=parent
+    )
     return dict(context.params)
 
 
 @pytest.mark.parametrize("folder", [OVERLAY, DEPLOY / "overlays" / "standby"], ids=production_ids)
-def test_a_stream_outbox_is_pruned_by_the_streams_slot(folder: Any) -> None:
+def test_a_stream_outbox_is_pruned_by_the_streams_slot(folder: Any, tmp_path: Path) -> None:
     objects = render(folder)
     cronjob, args = the_prune(objects)
-    settings = named(objects, "ConfigMap", "cdc-relay")
-    assert settings is not None
-    slot = settings["data"].get("CDC_RELAY_SLOT", DEFAULT_SLOT)
-    params = prune_params(args)
+    slot = config_file(objects).get("slot", DEFAULT_SLOT)  # the stream's: the top level's
+    params = prune_params(objects, args, tmp_path)
     assert params["slot"] == slot
     assert params["older_than"].days == 7
     assert cronjob["spec"]["concurrencyPolicy"] == "Forbid"
@@ -238,9 +246,12 @@ def test_a_stream_outbox_is_pruned_by_the_streams_slot(folder: Any) -> None:
     assert not any(v["name"] == "CDC_RELAY_SLOT" for v in container.get("env", []))
 
 
-def test_a_polled_outbox_is_pruned_by_processed_rows_and_shards_not_at_all() -> None:
-    _, args = the_prune(render(POLL))
-    assert prune_params(args)["slot"] is None
+def test_a_polled_outbox_is_pruned_by_processed_rows_and_shards_not_at_all(
+    tmp_path: Path,
+) -> None:
+    objects = render(POLL)
+    _, args = the_prune(objects)
+    assert prune_params(objects, args, tmp_path)["slot"] is None
     for folder in PRODUCTION:
         if folder.name in ("sharded", "reshard"):
             assert not of_kind(render(folder), "CronJob"), folder.name
@@ -274,4 +285,7 @@ def test_the_poll_overlay_runs_pollers_and_applies_schema_poller() -> None:
     assert container["args"] == ["schema", "apply", "poller"]
     schema = cli.commands["schema"]
     assert "apply" in schema.commands  # type: ignore[attr-defined]
-    assert not any("setup-slot" in str(obj) for obj in objects if obj["kind"] != "PrometheusRule")
+    # (the ConfigMap's file, shared with the stream overlays, has a [setup-slot] table that no
+    # command of this overlay reads)
+    others = [obj for obj in objects if obj["kind"] not in ("PrometheusRule", "ConfigMap")]
+    assert not any("setup-slot" in str(obj) for obj in others)

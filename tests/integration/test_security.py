@@ -601,7 +601,14 @@ def test_poll_and_prune_as_their_roles_over_verified_tls_and_sasl(
         assert relay.stop() == 0
     finally:
         relay.close()
-    as_pruner = {**env, "CDC_RELAY_DSN": database.pruner, "PGPASSWORD": database.pruner_password}
+    # The poller's environment, whose CDC_RELAY_SLOT (a slot nobody made) would make prune prune
+    # by that slot; empty, it names none, and prune takes the processed rows.
+    as_pruner = {
+        **env,
+        "CDC_RELAY_DSN": database.pruner,
+        "PGPASSWORD": database.pruner_password,
+        "CDC_RELAY_SLOT": "",
+    }
     pruned = run(["prune", "--older-than", "0s"], as_pruner)
     assert pruned.returncode == 0, pruned.stderr
     assert pruned.stdout.startswith("pruned 20 processed rows"), pruned.stdout

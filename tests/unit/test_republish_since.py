@@ -4,6 +4,7 @@ cannot go with are refused in one line."""
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 
 from cdc_relay.commands import setup_slot
 from cdc_relay.commands.cli import cli
-from cdc_relay.errors import UsageError
+from cdc_relay.errors import RelayError, UsageError
 
 DSN = ["--dsn", "host=db.invalid", "--kafka-bootstrap", "kafka.invalid:9092"]
 
@@ -75,3 +76,19 @@ def test_header_columns_are_for_the_republish_alone() -> None:
     result = CliRunner().invoke(cli, ["setup-slot", *DSN, "--header-column", "tenant"])
     assert isinstance(result.exception, UsageError), result.output
     assert str(result.exception).startswith("--header-column is for --republish-since")
+
+
+@pytest.mark.parametrize("where", ["env", "file"])
+def test_stream_header_columns_shared_with_it_are_left_for_a_republish(
+    where: str, tmp_path: Path
+) -> None:
+    """One environment or config file serves setup-slot and stream: stream's header columns
+    there do not make setup-slot refuse to run (it reaches the database, here none)."""
+    dsn = "host=127.0.0.1 port=1 dbname=shop connect_timeout=1"
+    config = tmp_path / "cdc-relay.toml"
+    config.write_text('header-column = ["traceparent"]\n')
+    env = {"CDC_RELAY_HEADER_COLUMN": "traceparent"} if where == "env" else {}
+    more = ["--config", str(config)] if where == "file" else []
+    result = CliRunner().invoke(cli, ["setup-slot", "--dsn", dsn, *more], env=env)
+    assert isinstance(result.exception, RelayError), result.output
+    assert str(result.exception).startswith("cannot connect to PostgreSQL"), result.exception
