@@ -90,6 +90,26 @@ SLOT_INVALIDATED = Gauge(
     "idle_replication_slot_timeout, a conflict on a standby): it can never be streamed again, "
     "and the relay stops.",
 )
+FAILOVER_READY = Gauge(
+    "cdc_relay_slot_failover_ready",
+    "1 while a standby among the hosts of --dsn holds a usable copy of the relay's failover "
+    "slot (synchronised, persistent, not invalidated), 0 when none does: a failover now would "
+    "lose the slot. Only for a failover slot; read every 10 s.",
+    ["slot"],
+)
+FAILOVER_STANDBY_READY = Gauge(
+    "cdc_relay_slot_failover_standby_ready",
+    "1 while this standby (host:port of --dsn) holds a usable copy of the failover slot, 0 "
+    "when it does not or does not answer.",
+    ["slot", "standby"],
+)
+FAILOVER_LAG = Gauge(
+    "cdc_relay_slot_failover_lag_bytes",
+    "How far this standby's copy of the failover slot is behind the primary's slot "
+    "(confirmed_flush_lsn, in bytes of WAL): after a promotion the relay resumes from the "
+    "copy's position, and sends that stretch again. No series while it holds no copy.",
+    ["slot", "standby"],
+)
 CONFIRMED_LSN = Gauge(
     "cdc_relay_confirmed_lsn",
     "The last position confirmed to PostgreSQL, as a number.",

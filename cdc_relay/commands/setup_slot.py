@@ -14,6 +14,7 @@ from cdc_relay.commands.options import (
     COLUMNS,
     MESSAGE_WRITERS,
     SHARDS,
+    Seconds,
     env_option,
     messages_option,
     several_tables_options,
@@ -27,6 +28,7 @@ from cdc_relay.kafka.checkpoints import ensure_topic
 from cdc_relay.kafka.topics import ensure
 from cdc_relay.ops.handover import handover, republish
 from cdc_relay.postgres import failover
+from cdc_relay.postgres.failover_ready import wait_ready
 from cdc_relay.postgres.messages import writers_problem
 from cdc_relay.postgres.slot import setup
 from cdc_relay.relay.worker import PollSettings
@@ -95,6 +97,13 @@ COMMANDLINE = ParameterSource.COMMANDLINE
     "the settings that needs on every host of --dsn.",
 )
 @env_option(
+    "--wait-failover-ready",
+    type=Seconds(0, 3600),
+    metavar="SECONDS",
+    help="With --failover: wait up to SECONDS for a standby among the hosts of --dsn to hold "
+    "a usable copy of the slot (synchronised, persistent), and exit 1 if none does by then.",
+)
+@env_option(
     "--exactly-once",
     is_flag=True,
     help="For stream --exactly-once: create the checkpoint topic (compacted) if it does not "
@@ -128,6 +137,7 @@ def setup_slot(
     trace_column: str | None,
     create_table: bool,
     failover_slot: bool,
+    wait_failover_ready: float | None,
     exactly_once: bool,
     checkpoint_topic: str,
     dead_letter_topic: str | None,
@@ -150,6 +160,11 @@ def setup_slot(
     check_trace_column(trace_column, header_columns)
     if exactly_once and not wire.kafka_bootstrap:
         raise UsageError("--exactly-once creates the checkpoint topic: give --kafka-bootstrap")
+    if wait_failover_ready is not None and (not failover_slot or dry_run):
+        raise UsageError(
+            "--wait-failover-ready waits for a standby's copy of a failover slot: give it with "
+            "--failover (and not --dry-run)"
+        )
     creation = wire.topic_creation()
     if creation is not None and not wire.kafka_bootstrap:
         raise UsageError("--create-topics creates topics in Kafka: give --kafka-bootstrap")
@@ -291,3 +306,19 @@ def setup_slot(
                 f"the slot would not survive a failover: {missing} setting"
                 f"{'' if missing == 1 else 's'} above missing (each line says what to run)"
             )
+        if wait_failover_ready is None:
+            click.echo(
+                "failover: a standby's copy is usable once synchronised and persistent; "
+                "cdc-relay status shows it, and status --require-failover-ready exits 0 from "
+                "then on (3 until then)"
+            )
+        else:
+            for each in specs:
+                found = wait_ready(dsn, each.slot, wait_failover_ready)
+                if not found.ready:
+                    raise PreflightError(
+                        f"after {wait_failover_ready:g} s, {found.reason} "
+                        "(cdc-relay status --require-failover-ready tells when one does)"
+                    )
+                usable = ", ".join(copy.standby for copy in found.copies if copy.usable)
+                click.echo(f"failover: ready: {usable} holds a usable copy of slot {each.slot}")

@@ -53,6 +53,13 @@ from cdc_relay.postgres.messages import writers_problem
 )
 @env_option("--require-active", is_flag=True, help="Exit 3 when no relay streams the slot.")
 @env_option(
+    "--require-failover-ready",
+    is_flag=True,
+    help="Exit 3 unless the slot is a failover slot and a standby among the hosts of --dsn "
+    "holds a usable copy of it (synchronised, persistent, not invalidated): a failover now "
+    "would lose the slot otherwise.",
+)
+@env_option(
     "--wait",
     type=Seconds(0, 3600),
     default=5.0,
@@ -90,6 +97,7 @@ def status_command(
     max_unconfirmed: int | None,
     max_dead_letters: int | None,
     require_active: bool,
+    require_failover_ready: bool,
     wait: float,
     exactly_once: bool,
     transactional_id: str | None,
@@ -103,7 +111,8 @@ def status_command(
 ) -> None:
     """Show the slot and the outbox: active, confirmed LSN, WAL retained, pending rows.
 
-    A stream outbox's rows are told apart: confirmed by the slot (on Kafka) or not yet. With
+    A stream outbox's rows are told apart: confirmed by the slot (on Kafka) or not yet. A
+    failover slot's copy on each standby of --dsn is shown, usable or why not. With
     --shards N, every shard's slot. With --exactly-once, the checkpoint in Kafka too. With
     --messages, who may emit logical decoding messages. With thresholds it is a check for
     scripts and cron: exit 3 when one is crossed.
@@ -130,6 +139,8 @@ def status_command(
             mine.append(state["lineage_problem"])
         if require_active and not state["active"]:
             mine.append(f"no relay is streaming slot {spec.slot}")
+        if require_failover_ready and state["failover"] and not state["failover"]["ready"]:
+            mine.append(state["failover"]["reason"])
         if max_unconfirmed is not None and state["confirmed_rows_unknown"]:
             mine.append(f"cannot tell unconfirmed rows: {state['confirmed_rows_unknown']}")
         for key, limit, what in (
@@ -172,6 +183,7 @@ def status_command(
                 ("outbox table", state["table"]),
                 ("publication", _publication(state)),
                 ("lineage", _lineage(state["lineage"])),
+                *_failover(state["failover"]),
             ]
             if state["slot_relays_table"]:
                 unknown = state["confirmed_rows_unknown"]
@@ -189,6 +201,28 @@ def status_command(
             click.echo(f"ALERT: {alert}", err=True)
     if alerts:
         sys.exit(3)
+
+
+def _failover(found: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The failover line, then a line per standby of --dsn (none without a slot)."""
+    if found is None:
+        return []
+    if not found["failover_slot"]:
+        return [("failover", "no (not a failover slot)")]
+    if not found["standbys"]:
+        return [("failover", f"NOT READY: {found['reason']}")]
+    rows = [("failover", "ready" if found["ready"] else "NOT READY")]
+    for copy in found["standbys"]:
+        if copy["usable"]:
+            text = (
+                f"usable copy, confirmed {copy['confirmed_flush_lsn']}, "
+                f"{_bytes(copy['confirmed_lag_bytes'])} behind the primary's slot "
+                f"(restart {_bytes(copy['restart_lag_bytes'])} behind)"
+            )
+        else:
+            text = copy["problem"]
+        rows.append(("standby", f"{copy['standby']}: {text}"))
+    return rows
 
 
 def _publication(state: dict[str, Any]) -> str:

@@ -1,6 +1,7 @@
 """``cdc-relay status``: a slot's state, whether it relays the outbox table and why not, what
-its lineage says of it, and the outbox's counts (the rows the slot has confirmed and the
-others, by horizon.py's rule; pending rows and dead letters through ``store.counts``)."""
+its lineage says of it, whether a standby holds a usable copy of a failover slot
+(failover_ready.py), and the outbox's counts (the rows the slot has confirmed and the others,
+by horizon.py's rule; pending rows and dead letters through ``store.counts``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import psycopg
 
 from cdc_relay.lsn import format_lsn
-from cdc_relay.postgres import failover, gaps, horizon, lineage, store
+from cdc_relay.postgres import failover, failover_ready, gaps, horizon, lineage, store
 from cdc_relay.postgres.connection import connect, one_row
 from cdc_relay.postgres.coverage import coverage_problem, relay_problem, slot_problem
 from cdc_relay.postgres.shards import Shard
@@ -71,6 +72,8 @@ def status(
             dead_letters = "retry_after" not in (missing or ())
             counts.update(store.counts(conn, outbox, dead_letters=dead_letters))
         rows = _confirmed_rows(conn, slot_name, outbox, wait) if relays and outbox else {}
+    # Only a standby shows its copy: each host of the DSN is asked (failover_ready.py).
+    ready = failover_ready.readiness(dsn, slot_name, slot) if slot else None
     return {
         "slot": slot_name,
         "exists": bool(slot),
@@ -83,6 +86,7 @@ def status(
         "wal_status": slot.get("wal_status"),
         "safe_wal_bytes": slot.get("safe_wal_bytes"),
         "invalidated": slot.get("invalidated"),
+        "failover": ready.as_json() if ready else None,
         "table": found.get("name") if found else table,
         "slot_relays_table": relays,
         "publication": publication,

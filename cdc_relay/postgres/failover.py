@@ -9,6 +9,10 @@ the standby has received the WAL it is sent, so that the copy is never behind wh
 from the old primary's stream. ``check`` looks at every host of a (multi-host) connection
 string and says, per setting, what is right and what to run when it is not.
 
+Whether a standby's copy would serve after a promotion now (present, synchronised, persistent,
+not invalidated) and how far behind the primary's slot it is: ``copy_of`` judges one standby's
+row, ``Readiness`` all of them (read by failover_ready.py, for ``status`` and the relay).
+
 When the slot is lost all the same, ``stream`` and ``status`` say how, in one line with the
 remedy: gone after a promotion (``slot_gone``), or given up on by PostgreSQL
 (``slot_invalidated``).
@@ -24,6 +28,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
+from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.queries import QUERIES
 
 MIN_VERSION_NUM = 170000
@@ -81,7 +86,7 @@ def _node(dsn: str) -> dict[str, Any]:
 
 def _slot(dsn: str, slot: str) -> dict[str, Any]:
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        return dict(conn.execute(QUERIES["failover_slot"], {"slot": slot}).fetchone() or {})
+        return dict(conn.execute(QUERIES["slot"], {"slot": slot}).fetchone() or {})
 
 
 def _listed(setting: str | None) -> list[str]:
@@ -248,7 +253,8 @@ def _standby(node: str, row: dict[str, Any], slot: str, wanted: set[str] | None)
     else:
         out.append(Finding(node, "ok", "primary_conninfo names a database"))
     copy = row["failover_slot"]
-    if copy and copy["synced"] and not copy["temporary"]:
+    problem = _copy_problem(slot, copy or None)
+    if problem is None:
         out.append(
             Finding(
                 node,
@@ -257,7 +263,7 @@ def _standby(node: str, row: dict[str, Any], slot: str, wanted: set[str] | None)
                 f"{copy['confirmed_flush_lsn']}",
             )
         )
-    else:
+    elif not copy or copy["temporary"]:
         out.append(
             Finding(
                 node,
@@ -266,7 +272,135 @@ def _standby(node: str, row: dict[str, Any], slot: str, wanted: set[str] | None)
                 "30 s of these settings, once it has replayed up to the slot's position",
             )
         )
+    else:
+        out.append(Finding(node, "note", problem))
     return out
+
+
+@dataclass(frozen=True)
+class Copy:
+    """What one standby holds of a failover slot: ``problem`` says why a promotion now would
+    not keep it usable (None when it would); the lags, how many bytes of WAL its positions are
+    behind the primary's slot (None without a copy, 0 when it is level or ahead)."""
+
+    standby: str
+    problem: str | None
+    row: Mapping[str, Any] | None = None
+    confirmed_lag: int | None = None
+    restart_lag: int | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.problem is None
+
+    def as_json(self) -> dict[str, Any]:
+        row = self.row or {}
+        return {
+            "standby": self.standby,
+            "usable": self.usable,
+            "problem": self.problem,
+            "present": self.row is not None,
+            "synced": row.get("synced"),
+            "temporary": row.get("temporary"),
+            "invalidated": row.get("invalidated"),
+            "confirmed_flush_lsn": row.get("confirmed_flush_lsn"),
+            "restart_lsn": row.get("restart_lsn"),
+            "confirmed_lag_bytes": self.confirmed_lag,
+            "restart_lag_bytes": self.restart_lag,
+        }
+
+
+def _lag(primary: Mapping[str, Any], copy: Mapping[str, Any], key: str) -> int | None:
+    if not primary.get(key) or not copy.get(key):
+        return None
+    return max(0, parse_lsn(str(primary[key])) - parse_lsn(str(copy[key])))
+
+
+def _copy_problem(slot: str, copy: Mapping[str, Any] | None) -> str | None:
+    if not copy:
+        return (
+            f"no copy of slot {slot} (a standby with sync_replication_slots = on copies a "
+            "failover slot once its replay reaches the slot's position; setup-slot --failover "
+            "checks its settings)"
+        )
+    if not copy.get("synced"):
+        return (
+            f"its slot {slot} is its own, not a synchronised copy, and slot synchronisation "
+            "leaves it alone; drop it on the standby"
+        )
+    if copy.get("invalidated"):
+        reason = copy["invalidated"]
+        cause = _INVALIDATION_CAUSES.get(str(reason), f"invalidation_reason {reason}")
+        return (
+            f"its copy of slot {slot} was invalidated ({reason}: {cause}); with "
+            "sync_replication_slots = on the standby drops it and copies the slot anew"
+        )
+    if copy.get("temporary"):
+        return (
+            f"its copy of slot {slot} is still temporary, and a promotion would drop it; the "
+            "standby keeps it so until it has replayed past the slot's position and can decode "
+            "from there (SELECT pg_log_standby_snapshot() on the primary hastens it)"
+        )
+    return None
+
+
+def copy_of(
+    slot: str, standby: str, primary: Mapping[str, Any], copy: Mapping[str, Any] | None
+) -> Copy:
+    """``standby``'s copy of ``slot`` (its row of the ``slot`` query, None when it has none)
+    against ``primary``, the primary's row of the same query."""
+    return Copy(
+        standby,
+        _copy_problem(slot, copy),
+        copy,
+        None if copy is None else _lag(primary, copy, "confirmed_flush_lsn"),
+        None if copy is None else _lag(primary, copy, "restart_lsn"),
+    )
+
+
+@dataclass(frozen=True)
+class Readiness:
+    """Whether ``slot`` would survive a failover now: it is a failover slot and at least one
+    standby holds a usable copy of it. ``copies``: each standby among the hosts of --dsn, and
+    each host that did not answer (its role unknown)."""
+
+    slot: str
+    failover: bool
+    copies: tuple[Copy, ...] = ()
+
+    @property
+    def ready(self) -> bool:
+        return self.failover and any(copy.usable for copy in self.copies)
+
+    @property
+    def reason(self) -> str | None:
+        """Why not, in one line with what to do; None when ready."""
+        if self.ready:
+            return None
+        if not self.failover:
+            return (
+                f"slot {self.slot} is no failover slot, so no standby keeps a copy of it; on a "
+                f'replication connection (psql "$DSN replication=database") run '
+                f"ALTER_REPLICATION_SLOT {self.slot} (FAILOVER true) while no relay streams it "
+                "(README: Hot standby and database failover)"
+            )
+        if not self.copies:
+            return (
+                f"no standby among the hosts of --dsn to hold a copy of slot {self.slot}; list "
+                "the standbys there (host=primary,standby port=P1,P2 "
+                "target_session_attrs=read-write): the relay follows a promotion to those"
+            )
+        return f"no standby holds a usable copy of slot {self.slot}: " + "; ".join(
+            f"{copy.standby}: {copy.problem}" for copy in self.copies
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "failover_slot": self.failover,
+            "ready": self.ready,
+            "reason": self.reason,
+            "standbys": [copy.as_json() for copy in self.copies],
+        }
 
 
 def slot_gone(slot: str, timeline: int | None) -> str | None:

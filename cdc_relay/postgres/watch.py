@@ -1,5 +1,6 @@
 """Background checks of what the stream depends on, on their own connection: each outbox table
-(by identity) is still there and still published, and how much WAL the slot retains.
+(by identity) is still there and still published, and how much WAL the slot retains (and, for
+a failover slot, whether a standby holds a usable copy: failover_ready.py).
 
 A check reads the WAL insert position first and then the catalog: when every table is still
 published in that later snapshot, every transaction that committed before the position was
@@ -22,6 +23,7 @@ from cdc_relay.lsn import Lsn, parse
 from cdc_relay.metrics import observe_slot
 from cdc_relay.postgres import gaps
 from cdc_relay.postgres.coverage import besides_problem, coverage_problem, inheritors_problem
+from cdc_relay.postgres.failover_ready import FailoverWatch
 from cdc_relay.postgres.shards import Shard
 from cdc_relay.postgres.tables import OutboxTable, table_by_oid
 from cdc_relay.queries import QUERIES
@@ -58,6 +60,8 @@ class Watcher:
         # What makes the publication publish each table, compared at each look with the look
         # before; the slot's position moved in its row now and then (gaps.py).
         self._lineage = gaps.Watch(slot, publication)
+        # Handed the slot's row at each sample: a failover slot's standbys are asked then.
+        self._failover = FailoverWatch(dsn, slot)
         self._interval = interval
         self._wal_every = max(1, round(wal_interval / interval))
         self.verified: Lsn = 0
@@ -78,6 +82,7 @@ class Watcher:
 
     def start(self) -> Watcher:
         """Check once now (the stream confirms nothing before), then in the background."""
+        self._failover.start()
         self._check_safely(0)
         self._thread.start()
         return self
@@ -85,6 +90,7 @@ class Watcher:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._failover.stop()
 
     def check_now(self, timeout: float = 5.0) -> None:
         """Have a check begin now and wait (bounded: the database may be unreachable) until
@@ -179,6 +185,7 @@ class Watcher:
             slot = conn.execute(QUERIES["slot"], {"slot": self._slot}).fetchone()
             if slot:
                 observe_slot(slot)
+                self._failover.sample(slot)
                 if not row["standby"]:  # a standby's lineage is not kept: it is read-only
                     self._lineage.confirmed(conn, slot, self.verified)
 

@@ -277,7 +277,10 @@ SELECT to_regclass('cdc_relay_dead_letters') IS NOT NULL
 -- while it is usable: invalidation_reason on 17+ (idle_timeout on 18), before that `conflicting`
 -- on a standby (16) and wal_status 'lost' (max_slot_wal_keep_size); read through to_jsonb,
 -- so that one query serves every version. safe_wal_size: WAL that may still be written before
--- the slot is at risk (NULL without max_slot_wal_keep_size, and once lost).
+-- the slot is at risk (NULL without max_slot_wal_keep_size, and once lost). `failover`: a
+-- failover slot (17+); `synced`: on a standby, a copy slot synchronisation keeps of the
+-- primary's (17+); `temporary`: a session's slot, or a copy the standby has not made
+-- persistent yet (a promotion drops it).
 SELECT s.plugin,
        s.slot_type,
        s.database,
@@ -291,7 +294,10 @@ SELECT s.plugin,
        s.safe_wal_size::bigint AS safe_wal_bytes,
        coalesce(to_jsonb(s) ->> 'invalidation_reason',
                 CASE WHEN (to_jsonb(s) ->> 'conflicting')::bool THEN 'rows_removed' END,
-                CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' END) AS invalidated
+                CASE WHEN s.wal_status = 'lost' THEN 'wal_removed' END) AS invalidated,
+       coalesce((to_jsonb(s) ->> 'failover')::bool, false) AS failover,
+       coalesce((to_jsonb(s) ->> 'synced')::bool, false) AS synced,
+       s.temporary
 FROM pg_replication_slots s
 WHERE s.slot_name = %(slot)s
 
@@ -828,12 +834,6 @@ SELECT pg_is_in_recovery() AS standby,
        current_setting('primary_slot_name') AS primary_slot_name,
        -- hidden from roles without superuser or pg_read_all_settings: NULL then
        (SELECT setting FROM pg_settings WHERE name = 'primary_conninfo') AS primary_conninfo
-
--- failover_slot --
--- A slot by name: whether it fails over, and on a standby whether it is a synchronised copy
-SELECT slot_type, failover, synced, temporary, confirmed_flush_lsn::text AS confirmed_flush_lsn
-FROM pg_replication_slots
-WHERE slot_name = %(slot)s
 
 -- physical_slots --
 -- The physical slots of this server: the standbys that may be listed in synchronized_standby_slots

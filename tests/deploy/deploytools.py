@@ -43,6 +43,9 @@ METRICS = {
     "cdc_relay_slot_wal_retained_bytes": "gauge",
     "cdc_relay_slot_safe_wal_bytes": "gauge",
     "cdc_relay_slot_invalidated": "gauge",
+    "cdc_relay_slot_failover_ready": "gauge",
+    "cdc_relay_slot_failover_standby_ready": "gauge",
+    "cdc_relay_slot_failover_lag_bytes": "gauge",
     "cdc_relay_confirmed_lsn": "gauge",
     "cdc_relay_end_to_end_latency_seconds": "histogram",
     "cdc_relay_events_in_flight": "gauge",
@@ -56,6 +59,9 @@ METRIC_LABELS = {
     "outbox_events_published_total": {"relay"},
     "outbox_events_failed_total": {"relay", "event_type"},
     "cdc_relay_connected": {"service"},
+    "cdc_relay_slot_failover_ready": {"slot"},
+    "cdc_relay_slot_failover_standby_ready": {"slot", "standby"},
+    "cdc_relay_slot_failover_lag_bytes": {"slot", "standby"},
 }
 
 

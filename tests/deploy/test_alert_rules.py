@@ -29,6 +29,7 @@ EXPECTED = {
     "CdcRelayWalRetainedHigh": (f"(cdc_relay_slot_wal_retained_bytes) > {GiB}", "5m"),
     "CdcRelaySlotNearInvalidation": ("cdc_relay_slot_safe_wal_bytes)) > 0.8", "5m"),
     "CdcRelaySlotInvalidated": ("max_over_time(cdc_relay_slot_invalidated[1h])) > 0", None),
+    "CdcRelayFailoverNotReady": ("(cdc_relay_slot_failover_ready) == 0", "5m"),
     "CdcRelayDisconnected": ("(cdc_relay_connected) == 0 unless on (namespace, pod)", "2m"),
     "CdcRelayStandbyDisconnected": ("(cdc_relay_connected) == 0 and on (namespace, pod)", "2m"),
     "CdcRelayNoneStreaming": ("min by (namespace) (cdc_relay_standby) == 1", "5m"),
