@@ -86,7 +86,8 @@ class MemoryOutbox:
         self.claimed: list[list[str]] = []  # the ids of each claim that returned rows
         # The test's look before each claim, told the aggregates that claim walks past.
         self.before_claim: Callable[[list[int]], object] = lambda skip: None
-        self.clock: Callable[[], float] = time.monotonic  # now() in the queries, retry_after
+        # now() in the queries, and retry_after: read late, so a test's patched time is it.
+        self.clock: Callable[[], float] = lambda: time.monotonic()
         self.sessions: list[MemoryClaims] = []  # every worker's claims
 
     def add(
