@@ -7,8 +7,9 @@ a row behind a waiting one of its aggregate is not due; a dead letter (``retry_a
 infinity) waits for good and holds nothing back; an aggregate is locked by one transaction
 at a time (its key: hashtext of type/id, as PostgreSQL's); a row another transaction locks
 is skipped, not waited for. A transaction's marks take effect when it commits, and none when
-it raises. The test may make any query fail with a psycopg error, once, as PostgreSQL would,
-and end every session (``end_sessions``: terminated, timed out), which releases its claims.
+it raises. Time is the store's ``clock`` (time.monotonic, unless the test moves it). The test
+may make any query fail with a psycopg error, once, as PostgreSQL would, and end every
+session (``end_sessions``: terminated, timed out), which releases its claims.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Row:
     aggregate_id: str
     payload: bytes | None
     attempts: int = 0
-    retry_after: float | None = None  # time.monotonic(); math.inf: a dead letter
+    retry_after: float | None = None  # MemoryOutbox.clock(); math.inf: a dead letter
     processed: bool = False
     last_error: str | None = None
     marks: list[str] = field(default_factory=list)  # "processed", "failed": committed marks
@@ -83,7 +84,10 @@ class MemoryOutbox:
         self.commits = 0
         self.rollbacks = 0
         self.claimed: list[list[str]] = []  # the ids of each claim that returned rows
-        self.before_claim: Callable[[], object] = lambda: None  # the test's look, each claim
+        # The test's look before each claim, told the aggregates that claim walks past.
+        self.before_claim: Callable[[list[int]], object] = lambda skip: None
+        # now() in the queries, and retry_after: read late, so a test's patched time is it.
+        self.clock: Callable[[], float] = lambda: time.monotonic()
         self.sessions: list[MemoryClaims] = []  # every worker's claims
 
     def add(
@@ -200,8 +204,8 @@ class MemoryClaims:
     def claim_aggregates(self, limit: int, shard: int, shards: int, skip: list[int]) -> list[int]:
         assert self._marks is not None, "outside a transaction"
         self._query("claim_aggregates")
-        self.store.before_claim()
-        now = time.monotonic()
+        self.store.before_claim(skip)
+        now = self.store.clock()
         keys: set[int] = set()
         got = 0
         with self.store.lock:
@@ -225,7 +229,7 @@ class MemoryClaims:
     def claim(self, limit: int, keys: list[int]) -> list[OutboxRow]:
         assert self._marks is not None, "outside a transaction"
         self._query("claim")
-        now = time.monotonic()
+        now = self.store.clock()
         with self.store.lock:
             rows = [
                 r
@@ -256,7 +260,7 @@ class MemoryClaims:
     def claim_skipped(self, keys: list[int], last: int, ids: list[str]) -> dict[int, int]:
         assert self._marks is not None, "outside a transaction"
         self._query("claim_skipped")
-        now = time.monotonic()
+        now = self.store.clock()
         skipped: dict[int, int] = {}
         with self.store.lock:
             for r in self.store.rows:
@@ -296,7 +300,7 @@ class MemoryClaims:
         assert self._marks is not None, "outside a transaction"
         self._query("mark_failed")
         outcome = {}
-        now = time.monotonic()
+        now = self.store.clock()
         for row_id, error, delay, its_own in zip(ids, errors, delays, own, strict=True):
             row = self.store.row(row_id)
             attempts = row.attempts + 1

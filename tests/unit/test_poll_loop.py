@@ -197,20 +197,29 @@ def test_a_row_tried_again_goes_with_nothing_else_in_flight() -> None:
     # transaction at the first claim, and free by the time the retried ones are due again:
     # the second claim mixes rows tried before with rows that were not.
     store.locked_rows |= {fresh, later}
+    # The retried rows come due when the test says, not by the clock: their back-off outlasts
+    # the test, and the store's clock jumps to its end, and the locks go, at the first claim
+    # after their failure that walks past no aggregate. (The claim right after the first walks
+    # past the locked rows' aggregates: due by then, the retried rows would go alone.)
+    shift = 0.0
+    store.clock = lambda: time.monotonic() + shift
 
-    def free_once_due() -> None:
-        row = store.row(poison)
-        if row.retry_after is not None and row.retry_after <= time.monotonic():
+    def free_once_due(skip: list[int]) -> None:
+        nonlocal shift
+        due = [store.row(i).retry_after for i in (innocent, poison)]
+        if store.locked_rows and not skip and None not in due:
+            shift = max(d or 0.0 for d in due) - time.monotonic()
             store.locked_rows.clear()
 
     store.before_claim = free_once_due
-    relay = Relay(store, max_attempts=2)
+    relay = Relay(store, max_attempts=2, backoff_base=60.0, backoff_max=60.0)
     relay.poison[poison] = KafkaError.MSG_SIZE_TOO_LARGE
 
     relay.run_until(store.done)
 
     assert relay.error is None
     assert store.claimed[0] == [innocent, poison]
+    assert store.claimed[1] == [fresh, innocent, poison, later]
     offers = {i: [o for j, o in relay.sinks[0].offered if j == i] for i in store.claimed[0]}
     assert offers[poison] == [1, 0]  # beside the innocent first; then alone
     assert offers[innocent][1:] == [0]
