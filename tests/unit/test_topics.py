@@ -309,3 +309,19 @@ def test_kafka_s_internal_topic_names_are_never_created(name: str) -> None:
     assert "internal" in text
     existing, _ = listing(name)
     assert topics.collision(name, existing) is None  # the user made it: used as it is
+
+
+def test_a_name_kafka_refuses_with_no_colliding_topic_listed_stops_in_one_line() -> None:
+    """INVALID_TOPIC_EXCEPTION, and the listing shows nothing the name collides with: the name
+    itself is what Kafka refuses; the relay stops rather than ask again and again."""
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    refused(creator.asked[0][1], KafkaError.TOPIC_EXCEPTION)
+    with pytest.raises(TopicNotCreated) as raised:
+        topics.collision("p.order", kafka)
+    assert "\n" not in str(raised.value)
+    assert "the broker's words" in str(raised.value)
+    assert len(creator.asked) == 1
