@@ -31,6 +31,7 @@ def _topic_template(ctx: click.Context, param: click.Parameter, value: str) -> s
     return check_template(value)
 
 
+MAX_PARTITIONS = 100_000  # of one topic, --topic-partitions and --topic-partitions-for
 _TOPIC_NAME = re.compile(r"[A-Za-z0-9._-]{1,249}")
 _CONFIG_KEY = re.compile(r"[a-z0-9]+([._-][a-z0-9]+)*")
 
@@ -73,10 +74,14 @@ def _partitions_for(
             partitions = int(count.strip()) if equals else 0
         except ValueError:
             partitions = 0
-        if not _TOPIC_NAME.fullmatch(topic) or topic in (".", "..") or partitions < 1:
+        if (
+            not _TOPIC_NAME.fullmatch(topic)
+            or topic in (".", "..")
+            or not (1 <= partitions <= MAX_PARTITIONS)
+        ):
             raise click.BadParameter(
                 f"{pair!r} is not TOPIC=N with a Kafka topic name (letters, digits, '.', '_', "
-                "'-') and N a partition count of 1 or more"
+                f"'-') and N a partition count from 1 to {MAX_PARTITIONS}"
             )
         if counts.get(topic, partitions) != partitions:
             raise click.BadParameter(f"topic {topic} is given two partition counts")
@@ -235,7 +240,7 @@ def kafka_options(
             ),
             "--topic-partitions": env_option(
                 "--topic-partitions",
-                type=click.IntRange(1, 100_000),
+                type=click.IntRange(1, MAX_PARTITIONS),
                 metavar="N",
                 help="Partitions of a topic --create-topics makes.  [default: the broker's "
                 "num.partitions]",

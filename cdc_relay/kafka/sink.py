@@ -21,7 +21,7 @@ from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
 from cdc_relay.kafka.outage import KAFKA
 from cdc_relay.kafka.overdue import Overdue
 from cdc_relay.kafka.routing import Message
-from cdc_relay.kafka.topics import Creator, NotYet, Topics, TopicSpec, collides
+from cdc_relay.kafka.topics import Creator, NotYet, Topics, TopicSpec, Unmade, collides
 
 log = logging.getLogger(__name__)
 # librdkafka's own lines, through our handlers instead of raw stderr
@@ -268,6 +268,9 @@ class KafkaSink:
                 other = self._topics.collision(topic, self._list_topics)
             except NotYet:
                 return False
+            except Unmade as exc:
+                self._on_refused(token, KafkaError(KafkaError.TOPIC_EXCEPTION, str(exc)))
+                return True
             if other is not None:
                 self._on_refused(token, _collision(topic, other))
                 return True

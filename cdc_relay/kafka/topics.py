@@ -16,7 +16,11 @@ goes out; a topic Kafka has is used as it is. The creation is asked once and not
 on the loop: until Kafka answers, the event waits as for a full queue (the sink's ``offer``
 says False). A creation Kafka refuses (not authorised, an invalid setting) stops the relay in
 one line (``TopicNotCreated``); it is never an event's refusal, so never a dead letter. The
-checkpoint topic of exactly once is made by the same code (``ensure``).
+checkpoint topic of exactly once is made by the same code (``ensure``). A topic being made
+counts for the collision check as one the relay sends to, and a creation Kafka refuses as
+colliding (another relay made the other name since the listing) is the event's refusal, as
+the listing would have made it. A name of Kafka's own (``__``) is never made: its event is
+refused.
 
 Kafka's topics are its own record, so the check holds across restarts.
 """
@@ -235,6 +239,16 @@ class Creator:
         return request(self._admin, topic, self.spec)
 
 
+class Unmade(Exception):
+    """A topic --create-topics does not make, whose event is refused as the broker would
+    refuse it (str: why, and what to do)."""
+
+
+INTERNAL_PREFIX = "__"
+"""Kafka's own topics (__consumer_offsets, __transaction_state, ...): a broker that has not
+made one yet creates it on request, as asked (not compacted), so the relay never asks."""
+
+
 class NotYet(Exception):
     """The topic is not known to exist yet (its creation is under way, or Kafka did not
     answer): its event waits, as for room in the producer's queue."""
@@ -258,6 +272,8 @@ class Topics:
         self._unanswered = -math.inf  # when Kafka last did not answer a creation
         self._warned: set[str] = set()
         self.created: set[str] = set()  # topics made here (--create-topics)
+        # Kafka refused to make these as colliding (INVALID_TOPIC_EXCEPTION): its words
+        self._refused: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def collision(self, topic: str, listing: Listing) -> str | None:
@@ -266,14 +282,18 @@ class Topics:
         unchecked). Listed again only for a topic not in the last listing.
 
         With a creator, a topic Kafka does not have is made before it counts as checked:
-        NotYet until Kafka has answered, TopicNotCreated when it refused."""
+        NotYet until Kafka has answered, TopicNotCreated when it refused; Unmade for a name
+        of Kafka's own (INTERNAL_PREFIX). A topic being made counts as one this relay sends
+        to; one Kafka refused to make as colliding with a topic made since the last listing
+        is refused as colliding, as the listing would have said."""
         with self._lock:
             if topic in self.checked:
                 return None
             creating = self._creating.get(topic)
             if creating is not None:
-                self._created(topic, creating)
-                return None
+                if self._created(topic, creating):
+                    return None
+                self._listed = {}  # Kafka has a topic the last listing did not show
             if topic not in self._listed:
                 listed = listing()
                 if listed is None:
@@ -286,25 +306,50 @@ class Topics:
                 self._compare(topic, self._listed[topic])
                 return None
             other = next(
-                (t for t in sorted(self._listed.keys() | self.checked) if collides(topic, t)),
+                (
+                    t
+                    for t in sorted(self._listed.keys() | self.checked | self._creating.keys())
+                    if collides(topic, t)
+                ),
                 None,
             )
             if other is not None:
+                self._refused.pop(topic, None)
                 return other
             if self._creator is None:
                 self.checked.add(topic)
                 return None
+            words = self._refused.pop(topic, None)
+            if words is not None:  # not for a collision the listing shows: the name itself
+                raise TopicNotCreated(
+                    f"Kafka would not create topic {topic}: {words}; create the topic yourself, "
+                    f"or route its events elsewhere (--topic-template){_BEFORE_EVENT}"
+                )
+            if topic.startswith(INTERNAL_PREFIX):
+                raise Unmade(
+                    f"topic {topic} is not made by --create-topics: a name starting with "
+                    f"{INTERNAL_PREFIX} is one of Kafka's internal topics; route the aggregate "
+                    "type elsewhere (--topic-template), or create the topic yourself"
+                )
             if time.monotonic() - self._unanswered < _ASK_AGAIN:
                 raise NotYet
             self._creating[topic] = self._creator.request(topic)
             self._created(topic, self._creating[topic])
             return None
 
-    def _created(self, topic: str, creating: Future[None]) -> None:
-        """Kafka's answer to the creation of ``topic``: checked once it has the topic."""
+    def _created(self, topic: str, creating: Future[None]) -> bool:
+        """Kafka's answer to the creation of ``topic``: True, and checked, once it has the
+        topic; False when Kafka refused the name (INVALID_TOPIC_EXCEPTION: it collides with
+        a topic made since the last listing)."""
         if not creating.done():
             raise NotYet
         del self._creating[topic]
+        refusal = creating.exception(timeout=0)
+        if isinstance(refusal, KafkaException):
+            err: KafkaError = refusal.args[0]
+            if err.code() == KafkaError.TOPIC_EXCEPTION:
+                self._refused[topic] = err.str()
+                return False
         spec = self._creator.spec if self._creator is not None else TopicSpec()
         try:
             created = outcome(topic, spec, creating)
@@ -334,6 +379,7 @@ class Topics:
                 topic,
                 extra={"action": "topic_exists", "topic": topic},
             )
+        return True
 
     def _compare(self, topic: str, partitions: int) -> None:
         """Warn once when a topic Kafka has differs from the partition count asked."""

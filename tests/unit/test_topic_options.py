@@ -90,6 +90,8 @@ def test_without_create_topics_nothing_is_created(
         (["--topic-partitions-for", "t"], "'t' is not TOPIC=N"),
         (["--topic-partitions-for", "a topic=3"], "'a topic=3' is not TOPIC=N"),
         (["--topic-partitions-for", "t=x"], "'t=x' is not TOPIC=N"),
+        # the bound of --topic-partitions: past it Kafka refuses, at the topic's first event
+        (["--topic-partitions-for", "t=100001"], "'t=100001' is not TOPIC=N"),
         (
             ["--topic-partitions-for", "t=1", "--topic-partitions-for", "t=2"],
             "topic t is given two partition counts",

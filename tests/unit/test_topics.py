@@ -243,3 +243,85 @@ def test_the_checkpoint_topic_is_compacted_with_one_partition_whatever_is_asked(
     assert made.replication_factor == 3
     assert made.config == {"cleanup.policy": "compact", "min.insync.replicas": "2"}
     assert TopicSpec().checkpoints().new_topic("c").replication_factor == -1
+
+
+# -- what an adversarial review found ------------------------------------------------------------
+
+
+def test_a_topic_being_created_counts_for_the_collision_of_another() -> None:
+    """Two workers of one poll relay (one Topics): the first event's topic is being made when
+    the second's, which collides with it, comes. Kafka would create the one it hears first and
+    refuse the other with "collides with existing topic", a stop that a restart turns into the
+    event's refusal; the relay refuses the second at once, as when the first was checked."""
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(NotYet):
+        topics.collision("p.order.line", kafka)
+    assert topics.collision("p.order_line", kafka) == "p.order.line"
+    assert [topic for topic, _ in creator.asked] == ["p.order.line"]
+
+
+def test_a_creation_kafka_refuses_as_colliding_is_the_event_s_refusal_not_a_stop() -> None:
+    """Another relay made ``p.order_line`` after this one listed Kafka's topics: Kafka refuses
+    to make ``p.order.line`` (INVALID_TOPIC_EXCEPTION, "collides with existing topic"). That is
+    what the listing would have said: the event is refused as colliding (the refusal policy's
+    to decide, as on every other path), not a stop telling the user to create a topic Kafka
+    cannot have."""
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    before, _ = listing("p.customer")
+    with pytest.raises(NotYet):
+        topics.collision("p.order.line", before)
+    creator.asked[0][1].set_exception(
+        KafkaException(
+            KafkaError(
+                KafkaError.TOPIC_EXCEPTION,
+                "Topic 'p.order.line' collides with existing topic: p.order_line",
+            )
+        )
+    )
+    after, _ = listing("p.customer", "p.order_line")
+    assert topics.collision("p.order.line", after) == "p.order_line"
+    assert "p.order.line" not in topics.checked
+    assert len(creator.asked) == 1
+
+
+@pytest.mark.parametrize("name", ["__consumer_offsets", "__transaction_state", "__anything"])
+def test_kafka_s_internal_topic_names_are_never_created(name: str) -> None:
+    """With --topic-template '{aggregate_type}', a writer's aggregate type names the topic. A
+    broker that has not made __consumer_offsets yet (no consumer group used it) creates it on
+    request, with the relay's partitions and settings (not compacted: the groups' offsets are
+    then deleted at retention.ms), and __transaction_state likewise. The relay makes no topic
+    whose name starts with ``__`` (Kafka's own); the event is refused as the broker refuses a
+    write to an internal topic, and one that exists is used as it is."""
+    creator = FakeCreator(TopicSpec(3, 1, {"cleanup.policy": "delete"}))
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(Exception) as raised:  # which one: below
+        topics.collision(name, kafka)
+    assert creator.asked == []
+    assert type(raised.value).__name__ == "Unmade"  # topics.Unmade: the event's refusal
+    assert name not in topics.checked
+    text = str(raised.value)
+    assert "\n" not in text
+    assert f"topic {name}" in text
+    assert "internal" in text
+    existing, _ = listing(name)
+    assert topics.collision(name, existing) is None  # the user made it: used as it is
+
+
+def test_a_name_kafka_refuses_with_no_colliding_topic_listed_stops_in_one_line() -> None:
+    """INVALID_TOPIC_EXCEPTION, and the listing shows nothing the name collides with: the name
+    itself is what Kafka refuses; the relay stops rather than ask again and again."""
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    kafka, _ = listing()
+    with pytest.raises(NotYet):
+        topics.collision("p.order", kafka)
+    refused(creator.asked[0][1], KafkaError.TOPIC_EXCEPTION)
+    with pytest.raises(TopicNotCreated) as raised:
+        topics.collision("p.order", kafka)
+    assert "\n" not in str(raised.value)
+    assert "the broker's words" in str(raised.value)
+    assert len(creator.asked) == 1
