@@ -169,5 +169,15 @@ def load_properties(text: str) -> dict[str, str]:
         rest = line[i:].lstrip(_BLANK)
         if rest[:1] in ("=", ":"):
             rest = rest[1:].lstrip(_BLANK)
-        properties[_unescape(key)] = _unescape(rest)
+        properties[_utf16(_unescape(key))] = _utf16(_unescape(rest))
     return properties
+
+
+def _utf16(text: str) -> str:
+    """``text`` as the Java string its ``\\uXXXX`` escapes make: a surrogate pair is the one
+    character it encodes (Properties.store writes a character outside the BMP as its pair),
+    and a lone surrogate, which has no UTF-8 form, is U+FFFD, never an error that would stop
+    the relay at this event on every start."""
+    if not any("\ud800" <= char <= "\udfff" for char in text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
