@@ -409,3 +409,22 @@ def test_config_show_refuses_what_the_command_would(monkeypatch: pytest.MonkeyPa
     assert "--workers from env CDC_RELAY_WORKERS: 'many' is not a valid integer" in str(
         result.exception
     )
+
+
+def test_config_show_hides_a_secret_the_environment_split_in_two() -> None:
+    # click splits a repeatable option's variable at blanks: "key: value" becomes two items,
+    # neither a setting; start-up refuses them, config show must not print the value
+    output = show(
+        "poll",
+        env_vars={"CDC_RELAY_KAFKA_CONFIG": "sasl.password: hunter2 ssl.key.password =k3y"},
+    )
+    assert "hunter2" not in output and "k3y" not in output
+    (line,) = (line for line in output.splitlines() if line.startswith("kafka-config "))
+    assert line.split()[1:] == [
+        "sasl.password=***",
+        "***",
+        "***",
+        "***",
+        "env",
+        "CDC_RELAY_KAFKA_CONFIG",
+    ]
