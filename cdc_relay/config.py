@@ -183,6 +183,15 @@ def hide_dsn_password(dsn: str) -> str | None:
     return make_conninfo("", **masked)
 
 
+def is_setting(text: str) -> bool:
+    """``text`` is a ``--kafka-config`` setting (``key=value``, ``key: value``, ``key value``)."""
+    try:
+        _pair(text, "--kafka-config")
+    except UsageError:
+        return False
+    return True
+
+
 def hide_secret_setting(pair: str) -> str | None:
     """A ``--kafka-config`` setting with ``***`` for its value when it is a secret, else None."""
     try:
