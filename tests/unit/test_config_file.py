@@ -289,6 +289,13 @@ def test_keys_no_command_takes_are_errors_whatever_runs(
             'table = ["public.a", "public.b"]',
             "table (top level) is a list, but poll takes one value; give poll its own in [poll]",
         ),
+        # a table where an option's value goes is no setting: not left out in silence (topics
+        # made without the settings asked, a relay without its SASL settings)
+        ('[topic-config]\n"retention.ms" = "-1"', "topic-config (top level) is a dict; write"),
+        ('[kafka-config]\n"sasl.mechanism" = "PLAIN"', "kafka-config (top level) is a dict"),
+        ('trace-column = {name = "trace"}', "trace-column (top level) is a dict; write a string"),
+        # an empty list of tables is no outbox: a one-line error, not a traceback at start
+        ("[stream]\ntable = []", "[stream] table is an empty list; name at least one"),
     ],
 )
 def test_a_value_of_another_kind_is_an_error_naming_it(
