@@ -127,8 +127,11 @@ class ConfigFile:
         options = options_of(command_at(root, path))
         for depth in range(len(path) + 1):
             where = path[:depth]
+            node = command_at(root, where)
             for key, value in table.items():
-                if key in options and not (isinstance(value, dict) and depth < len(path)):
+                # a command's table is not its option (_check); any other table where an
+                # option's value goes is refused by _checked, never left out in silence
+                if key in options and not (isinstance(node, click.Group) and key in node.commands):
                     found[key] = (value, self.place(where, key))
             if depth < len(path):
                 table = table.get(path[depth], {})
@@ -167,6 +170,13 @@ class ConfigFile:
         if option.multiple:
             if isinstance(value, str):
                 value = [value]
+            if value == [] and isinstance(option.default, tuple | list) and option.default:
+                # the command line cannot empty a default list (stream's tables: none would
+                # leave the relay nothing to read), nor can the file
+                raise UsageError(
+                    f"{where} is an empty list; name at least one, or leave {key} out for "
+                    "the default"
+                )
             if not isinstance(value, list) or not all(_fits(option, item) for item in value):
                 raise UsageError(
                     f'{where} is {_kind_of(value)}; write a list of strings: {key} = ["...", "..."]'
