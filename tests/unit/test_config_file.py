@@ -340,19 +340,25 @@ def show(*args: str, env_vars: dict[str, str] | None = None) -> Any:
 def test_config_show_says_where_each_setting_comes_from_and_hides_passwords(
     tmp_path: Path,
 ) -> None:
+    # the passwords come from the environment: the file holds none (refused there)
     path = write(
         tmp_path,
-        "dsn = \"host=db dbname=shop password='hunter2'\"\n"
+        'dsn = "host=db dbname=shop"\n'
         'kafka-bootstrap = "k:9092"\n'
-        'kafka-config = ["security.protocol=SASL_SSL", "sasl.password=s3cret", '
-        '"ssl.key.password=k3y", "sasl.oauthbearer.config=t0ken"]\n'
+        'kafka-config = ["security.protocol=SASL_SSL"]\n'
         "[stream]\nstatus-interval = 5\n",
     )
     output = show(
         "--config",
         str(path),
         "--json",
-        env_vars={"CDC_RELAY_SLOT": "from_env", "CDC_RELAY_KAFKA_CONFIG_FILE": ""},
+        env_vars={
+            "CDC_RELAY_SLOT": "from_env",
+            "CDC_RELAY_KAFKA_CONFIG_FILE": "",
+            "CDC_RELAY_DSN": "host=db dbname=shop password='hunter2'",
+            "CDC_RELAY_KAFKA_CONFIG": "security.protocol=SASL_SSL sasl.password=s3cret "
+            "ssl.key.password=k3y sasl.oauthbearer.config=t0ken",
+        },
     )
     shown = json.loads(output)
     for secret in ("hunter2", "s3cret", "k3y", "t0ken"):
@@ -361,7 +367,8 @@ def test_config_show_says_where_each_setting_comes_from_and_hides_passwords(
     assert shown["config_file"] == str(path)
     settings = shown["settings"]
     assert set(settings["dsn"]["value"].split()) == {"password=***", "host=db", "dbname=shop"}
-    assert settings["dsn"]["source"] == f"file:{path} top level"
+    assert settings["dsn"]["source"] == "env CDC_RELAY_DSN"
+    assert settings["kafka-bootstrap"]["source"] == f"file:{path} top level"
     assert settings["kafka-config"]["value"] == [
         "security.protocol=SASL_SSL",
         "sasl.password=***",
