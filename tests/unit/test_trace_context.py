@@ -333,3 +333,22 @@ def test_a_key_with_a_lone_surrogate_is_named_in_a_line_a_log_can_write() -> Non
     trace = parse(b"x\\uD800=1\n")
     assert trace is not None and trace.problem is not None
     trace.problem.encode()  # no lone surrogate in the message the router logs
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        b"00-" + b"x" * 1_000_000,  # a megabyte in the column, logged with every event
+        b"x\\nERROR cdc_relay: forged=1\n" + b"k" * 1_000_000 + b"=1\n",  # keys of any size
+    ],
+)
+def test_the_warning_of_a_malformed_trace_is_one_short_line(
+    stored: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    message = Router().route(_event(parse(stored)))
+    if b"\n" not in stored:  # the header is sent as stored, whatever its size
+        assert message.headers[3] == ("traceparent", stored)
+    (record,) = [r for r in caplog.records if getattr(r, "action", "") == "trace_context_malformed"]
+    line = record.getMessage()
+    assert "\n" not in line and "\r" not in line
+    assert len(line) < 1_000
