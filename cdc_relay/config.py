@@ -131,8 +131,11 @@ def checked_dsn(dsn: str) -> str:
 
 
 HIDDEN = "***"
-# librdkafka's sensitive settings whose names say neither password nor secret
-_SECRET_SETTINGS = frozenset({"ssl.key.pem", "sasl.oauthbearer.config"})
+# librdkafka's sensitive settings whose names say neither password, secret nor passphrase
+_SECRET_SETTINGS = frozenset(
+    {"ssl.key.pem", "sasl.oauthbearer.config", "sasl.oauthbearer.assertion.private.key.pem"}
+)
+_SECRET_WORDS = ("password", "secret", "passphrase")
 
 # What a warning about a password on the command line tells to do instead, by option.
 SAFER_PLACES = {
@@ -180,6 +183,15 @@ def hide_dsn_password(dsn: str) -> str | None:
     return make_conninfo("", **masked)
 
 
+def is_setting(text: str) -> bool:
+    """``text`` is a ``--kafka-config`` setting (``key=value``, ``key: value``, ``key value``)."""
+    try:
+        _pair(text, "--kafka-config")
+    except UsageError:
+        return False
+    return True
+
+
 def hide_secret_setting(pair: str) -> str | None:
     """A ``--kafka-config`` setting with ``***`` for its value when it is a secret, else None."""
     try:
@@ -187,6 +199,6 @@ def hide_secret_setting(pair: str) -> str | None:
     except UsageError:
         return None  # refused at start-up without being shown
     name = key.lower()
-    if name not in _SECRET_SETTINGS and "password" not in name and "secret" not in name:
+    if name not in _SECRET_SETTINGS and not any(word in name for word in _SECRET_WORDS):
         return None
     return f"{key}={HIDDEN}"

@@ -88,7 +88,14 @@ def parse(value: bytes) -> TraceContext | None:
     properties = load_properties(text)
     traceparent = properties.get(TRACEPARENT)
     if traceparent is None:
-        keys = ", ".join(sorted(properties)) or "none"
+        keys = (
+            ", ".join(
+                key if key.isprintable() and len(key) <= 80 else shown(key)
+                for key in sorted(properties)[:5]
+            )
+            or "none"
+        )
+        keys += ", ..." if len(properties) > 5 else ""
         return TraceContext(
             None,
             None,
@@ -101,6 +108,15 @@ def parse(value: bytes) -> TraceContext | None:
         None if tracestate is None else tracestate.encode(),
         traceparent_problem(traceparent),
     )
+
+
+def shown(value: str | bytes, limit: int = 80) -> str:
+    """``value`` as a log line quotes it: on one line (``repr``: a line break is ``\\n``), its
+    first ``limit`` characters, so a value of any size, or one that forges a log line, is
+    named without either."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    cut = text[:limit]
+    return repr(cut) + (f" (first {limit} of {len(text)} characters)" if len(text) > limit else "")
 
 
 # -- java.util.Properties.load ------------------------------------------------------------
@@ -169,5 +185,15 @@ def load_properties(text: str) -> dict[str, str]:
         rest = line[i:].lstrip(_BLANK)
         if rest[:1] in ("=", ":"):
             rest = rest[1:].lstrip(_BLANK)
-        properties[_unescape(key)] = _unescape(rest)
+        properties[_utf16(_unescape(key))] = _utf16(_unescape(rest))
     return properties
+
+
+def _utf16(text: str) -> str:
+    """``text`` as the Java string its ``\\uXXXX`` escapes make: a surrogate pair is the one
+    character it encodes (Properties.store writes a character outside the BMP as its pair),
+    and a lone surrogate, which has no UTF-8 form, is U+FFFD, never an error that would stop
+    the relay at this event on every start."""
+    if not any("\ud800" <= char <= "\udfff" for char in text):
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")

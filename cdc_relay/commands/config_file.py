@@ -18,7 +18,14 @@ from typing import Any, cast
 
 import click
 
-from cdc_relay.config import CONFIG_ENV, SASL_PASSWORD_ENV, read_toml
+from cdc_relay.config import (
+    CONFIG_ENV,
+    HIDDEN,
+    SASL_PASSWORD_ENV,
+    hide_dsn_password,
+    hide_secret_setting,
+    read_toml,
+)
 from cdc_relay.errors import UsageError
 
 CONFIG = "config"
@@ -76,6 +83,12 @@ class ConfigFile:
                     f"{self.path}: {self.place(where, key)}: a config file cannot name another; "
                     f"give one file, with --config or {CONFIG_ENV}"
                 )
+            secret = _secret_in(key, value)
+            if secret is not None:
+                raise UsageError(
+                    f"{self.path}: {self.place(where, key)} holds {secret}; the config file "
+                    f"holds no passwords: {_SAFER}"
+                )
             if isinstance(node, click.Group) and key in node.commands:
                 if not isinstance(value, dict):
                     raise UsageError(
@@ -86,9 +99,7 @@ class ConfigFile:
             elif key not in takes and "password" in key:
                 raise UsageError(
                     f"{self.path}: {self.place(where, key)}: passwords have no place in the "
-                    f"config file; give Kafka's in {SASL_PASSWORD_ENV} or as sasl.password in "
-                    "a properties file (--kafka-config-file), PostgreSQL's in PGPASSWORD or a "
-                    ".pgpass file"
+                    f"config file; {_SAFER}"
                 )
             elif isinstance(value, dict) and key not in takes:
                 raise UsageError(
@@ -127,8 +138,11 @@ class ConfigFile:
         options = options_of(command_at(root, path))
         for depth in range(len(path) + 1):
             where = path[:depth]
+            node = command_at(root, where)
             for key, value in table.items():
-                if key in options and not (isinstance(value, dict) and depth < len(path)):
+                # a command's table is not its option (_check); any other table where an
+                # option's value goes is refused by _checked, never left out in silence
+                if key in options and not (isinstance(node, click.Group) and key in node.commands):
                     found[key] = (value, self.place(where, key))
             if depth < len(path):
                 table = table.get(path[depth], {})
@@ -167,6 +181,13 @@ class ConfigFile:
         if option.multiple:
             if isinstance(value, str):
                 value = [value]
+            if value == [] and isinstance(option.default, tuple | list) and option.default:
+                # the command line cannot empty a default list (stream's tables: none would
+                # leave the relay nothing to read), nor can the file
+                raise UsageError(
+                    f"{where} is an empty list; name at least one, or leave {key} out for "
+                    "the default"
+                )
             if not isinstance(value, list) or not all(_fits(option, item) for item in value):
                 raise UsageError(
                     f'{where} is {_kind_of(value)}; write a list of strings: {key} = ["...", "..."]'
@@ -185,6 +206,26 @@ class ConfigFile:
         except click.BadParameter as exc:
             raise UsageError(f"{where}: {exc.message}") from None
         return value
+
+
+_SAFER = (
+    f"give Kafka's in {SASL_PASSWORD_ENV} or as sasl.password in a properties file "
+    "(--kafka-config-file), PostgreSQL's in PGPASSWORD or a .pgpass file"
+)
+
+
+def _secret_in(key: str, value: Any) -> str | None:
+    """What secret the value of ``key`` holds, as an error names it (never the value): a
+    password in the dsn, a --kafka-config setting such as sasl.password; None if none."""
+    if key == "dsn" and isinstance(value, str):
+        # one libpq cannot parse is refused at start-up, without being shown
+        return "a password" if hide_dsn_password(value) not in (None, HIDDEN) else None
+    if key == "kafka-config" and isinstance(value, str | list):
+        for item in [value] if isinstance(value, str) else value:
+            hidden = hide_secret_setting(item) if isinstance(item, str) else None
+            if hidden is not None:
+                return f"a secret ({hidden.rsplit('=', 1)[0]})"
+    return None
 
 
 def _fits(option: click.Option, value: Any) -> bool:

@@ -15,7 +15,7 @@ from click.core import ParameterSource
 
 from cdc_relay.commands.config_file import loaded, options_of, root_of
 from cdc_relay.commands.options import env_option
-from cdc_relay.config import hide_dsn_password, hide_secret_setting
+from cdc_relay.config import HIDDEN, hide_dsn_password, hide_secret_setting, is_setting
 from cdc_relay.errors import RelayError, UsageError
 
 # click 8.3 and later: the value of an option nobody set, before it becomes None (older
@@ -120,7 +120,11 @@ def _shown(key: str, value: Any) -> Any:
     if key == "dsn" and isinstance(value, str):
         return hide_dsn_password(value) or value
     if key == "kafka-config" and isinstance(value, tuple | list):
-        return [hide_secret_setting(item) or item for item in value]
+        # an item that is no setting (a variable split at a blank: "sasl.password:" and
+        # "hunter2") is refused at start-up; here it is hidden whole, where a secret may be
+        return [
+            hide_secret_setting(item) or (item if is_setting(item) else HIDDEN) for item in value
+        ]
     if isinstance(value, tuple | list):
         return [_shown(key, item) for item in value]
     if isinstance(value, timedelta):

@@ -18,6 +18,7 @@ from cdc_relay.events import HEADERS, OutboxEvent, SchemaError
 from cdc_relay.kafka.cloudevents import CloudEvents
 from cdc_relay.lsn import Lsn
 from cdc_relay.metrics import TRACE_CONTEXT_MALFORMED
+from cdc_relay.tracecontext import shown
 
 log = logging.getLogger(__name__)
 
@@ -293,7 +294,7 @@ def _malformed(event: OutboxEvent) -> None:
         what = f"the --trace-column value {trace.problem}; write traceparent (and tracestate) there"
     else:
         what = (
-            f"its traceparent {trace.traceparent.decode(errors='replace')!r} (--trace-column) "
+            f"its traceparent {shown(trace.traceparent)} (--trace-column) "
             f"{trace.problem}; sent as stored, a receiver ignores it (and with --cloudevents "
             "no ce_traceparent): fix what the application writes there"
         )

@@ -149,6 +149,20 @@ def test_an_unreadable_properties_file_is_a_usage_error(tmp_path: Path) -> None:
             ["x", "--kafka-config", "sasl.password: hunter2", "--kafka-config=ssl.key.pem=hunter2"],
             ["x", "--kafka-config", "sasl.password=***", "--kafka-config=ssl.key.pem=***"],
         ),
+        (  # librdkafka's JWT bearer grant (2.10 and later): a private key and its passphrase
+            [
+                "x",
+                "--kafka-config",
+                "sasl.oauthbearer.assertion.private.key.passphrase=hunter2",
+                "--kafka-config=sasl.oauthbearer.assertion.private.key.pem=hunter2",
+            ],
+            [
+                "x",
+                "--kafka-config",
+                "sasl.oauthbearer.assertion.private.key.passphrase=***",
+                "--kafka-config=sasl.oauthbearer.assertion.private.key.pem=***",
+            ],
+        ),
     ],
 )
 def test_hide_passwords_replaces_each_one(argv: list[str], hidden: list[str]) -> None:

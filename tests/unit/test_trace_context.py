@@ -16,6 +16,7 @@ from confluent_kafka import KafkaError
 from cdc_relay.errors import UsageError
 from cdc_relay.events import (
     Begin,
+    Column,
     Insert,
     OutboxEvent,
     OutboxLayout,
@@ -287,3 +288,67 @@ def test_the_trace_column_is_not_a_header_column_too() -> None:
     layout = OutboxLayout.from_options([], ["traceparent"], None)  # as before: a plain header
     assert layout.header_columns == ("traceparent",)
     assert layout.trace_column is None
+
+
+@pytest.mark.parametrize(
+    ("stored", "traceparent", "tracestate"),
+    [
+        # Java's Properties.store writes a character outside the BMP as its UTF-16 pair of
+        # \u escapes; Properties.load joins them back into the one character.
+        (
+            b"traceparent=" + PLAIN + b"\ntracestate=vendor=caf\\u00e9\\ud83d\\ude00\n",
+            PLAIN,
+            "vendor=caf\u00e9\U0001f600".encode(),
+        ),
+        # A lone surrogate has no UTF-8 form: replaced (as Java's getBytes does), not raised.
+        (b"traceparent=\\uD800" + PLAIN[1:] + b"\n", "\ufffd".encode() + PLAIN[1:], None),
+        (b"traceparent=" + PLAIN + b"\ntracestate=a=\\udc00\n", PLAIN, "a=\ufffd".encode()),
+    ],
+)
+def test_surrogate_escapes_never_stop_the_relay(
+    stored: bytes, traceparent: bytes, tracestate: bytes | None
+) -> None:
+    trace = parse(stored)
+    assert trace is not None
+    assert trace.traceparent == traceparent
+    assert trace.tracestate == tracestate
+    # a row of it, mapped as the stream maps it, routes (the event is not stopped at)
+    relation = Relation(
+        1,
+        "public",
+        "outbox",
+        tuple(
+            Column(n, 25)
+            for n in ("id", "aggregate_type", "aggregate_id", "event_type", "payload", "trace")
+        ),
+    )
+    layout = OutboxLayout(trace_column="trace")
+    mapper = RowMapper.for_relation(relation, layout)
+    row = Insert(1, (b"1", b"order", b"42", b"created", b"{}", stored))
+    event = mapper.event(row, Begin(0, 0, 1))
+    assert event.trace == trace
+
+
+def test_a_key_with_a_lone_surrogate_is_named_in_a_line_a_log_can_write() -> None:
+    trace = parse(b"x\\uD800=1\n")
+    assert trace is not None and trace.problem is not None
+    trace.problem.encode()  # no lone surrogate in the message the router logs
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        b"00-" + b"x" * 1_000_000,  # a megabyte in the column, logged with every event
+        b"x\\nERROR cdc_relay: forged=1\n" + b"k" * 1_000_000 + b"=1\n",  # keys of any size
+    ],
+)
+def test_the_warning_of_a_malformed_trace_is_one_short_line(
+    stored: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    message = Router().route(_event(parse(stored)))
+    if b"\n" not in stored:  # the header is sent as stored, whatever its size
+        assert message.headers[3] == ("traceparent", stored)
+    (record,) = [r for r in caplog.records if getattr(r, "action", "") == "trace_context_malformed"]
+    line = record.getMessage()
+    assert "\n" not in line and "\r" not in line
+    assert len(line) < 1_000
