@@ -11,7 +11,7 @@ as test_refusals runs), with a SCRAM listener for a principal that may not creat
 - setup-slot --create-topics makes the dead-letter and the checkpoint topics, and an invalid
   setting or replication factor is one line.
 
-README.md ("Topics: --create-topics") and ARCHITECTURE.md ("Topics made before their first
+docs/wire.md ("Topics: --create-topics") and ARCHITECTURE.md ("Topics made before their first
 event") say what the relay does.
 """
 
