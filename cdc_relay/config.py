@@ -49,7 +49,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise UsageError(f"the config file {path} is not UTF-8; write it as TOML") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(
-            f'the config file {path} is not TOML: {exc}; see README.md, "The configuration file"'
+            f"the config file {path} is not TOML: {exc}; see docs/configuration.md, "
+            '"The configuration file"'
         ) from None
 
 

@@ -76,8 +76,8 @@ def prune_command(
 
     Without --slot: rows the poller processed, oldest first; unprocessed rows and dead
     letters are never deleted. With --slot: rows whose transaction the slot has confirmed
-    (README.md, "Pruning a stream outbox"); rows of transactions the slot has not confirmed,
-    or still open, are never deleted.
+    (docs/operations.md, "Pruning a stream outbox"); rows of transactions the slot has not
+    confirmed, or still open, are never deleted.
     """
     if slot is None:
         pruned = prune_processed(dsn, table, older_than, batch_size)

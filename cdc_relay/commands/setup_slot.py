@@ -230,8 +230,8 @@ def setup_slot(
     if republish_since is not None and more_tables:
         raise UsageError(
             "--republish-since publishes the rows of one outbox table again: not available for "
-            "several yet; give --table once (a slot of several tables: see README, Several "
-            "outbox tables on one slot)"
+            "several yet; give --table once (a slot of several tables: see docs/outbox.md, "
+            '"Several outbox tables on one slot")'
         )
     if republish_since is not None:
         if from_poller or failover_slot or shards is not None or dry_run or create_table:

@@ -382,7 +382,7 @@ class Readiness:
                 f"slot {self.slot} is no failover slot, so no standby keeps a copy of it; on a "
                 f'replication connection (psql "$DSN replication=database") run '
                 f"ALTER_REPLICATION_SLOT {self.slot} (FAILOVER true) while no relay streams it "
-                "(README: Hot standby and database failover)"
+                '(docs/failover.md, "Hot standby and database failover")'
             )
         if not self.copies:
             return (
@@ -414,7 +414,8 @@ def slot_gone(slot: str, timeline: int | None) -> str | None:
         "no failover slot, stayed behind; make it anew with cdc-relay setup-slot "
         "--republish-since TIME, which first publishes again the events created since TIME: the "
         "time of the old relay's last progress line less its lag and your longest transaction "
-        "(earlier costs only duplicates) (README: Hot standby and database failover)"
+        "(earlier costs only duplicates) "
+        '(docs/failover.md, "Hot standby and database failover")'
     )
 
 
@@ -444,5 +445,5 @@ def slot_invalidated(slot: str, row: Mapping[str, Any]) -> str | None:
         "--republish-since TIME, which first publishes again the events created since TIME: the "
         "time of the old relay's last progress line less its lag and your longest transaction "
         f"(earlier costs only duplicates; the slot had confirmed {confirmed or 'nothing'}) "
-        "(README: A slot PostgreSQL gave up on)"
+        '(docs/failover.md, "A slot PostgreSQL gave up on")'
     )

@@ -1,5 +1,5 @@
 """Which outbox rows a slot has confirmed: the rule ``prune --slot`` deletes by and ``status``
-counts by (README.md, "Pruning a stream outbox", tells users).
+counts by (docs/operations.md, "Pruning a stream outbox", tells users).
 
 ``stream`` never marks a row. What reached Kafka is recorded only as the slot's confirmed
 position, a WAL position, which no row carries; a row carries the id of the transaction that

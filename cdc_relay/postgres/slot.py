@@ -86,7 +86,8 @@ def preflight(conn: psycopg.Connection[dict[str, Any]], spec: SlotSpec) -> str:
     if spec.failover and server["version_num"] < failover.MIN_VERSION_NUM:
         raise PreflightError(
             f"PostgreSQL {server['version']} has no failover slots (new in 17); upgrade, or "
-            "run setup-slot without --failover and see README 'Hot standby and database failover'"
+            "run setup-slot without --failover and see docs/failover.md, "
+            '"Hot standby and database failover"'
         )
     if spec.shard is not None and spec.plugin != "pgoutput":
         raise PreflightError(

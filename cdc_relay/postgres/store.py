@@ -364,7 +364,7 @@ def check_fence(conn: psycopg.Connection[Any], outbox: Outbox) -> None:
         f"--from-poller){when}: slot {fence['slot']} relays every event committed after "
         f"{start}, and stream marks no row processed, so a poller would publish them all "
         f"again; run cdc-relay stream --slot {fence['slot']}, not poll (to poll the table "
-        'again instead, follow "Back from stream to poll" in the README)'
+        'again instead, follow docs/polling.md, "Back from stream to poll")'
     )
 
 

@@ -398,7 +398,7 @@ class Worker:
 
 def out_of_seq_order(row: OutboxRow, after: int, relay: str) -> None:
     """Say and count that ``row`` went out after the event of seq ``after`` of its aggregate
-    (README.md, "Order per aggregate on each path")."""
+    (docs/how-it-works.md, "Order per aggregate on each path")."""
     OUT_OF_SEQ_ORDER.labels(relay=relay).inc()
     log.warning(
         "event %s went out after event seq %d of its aggregate, out of seq order (its seq is "

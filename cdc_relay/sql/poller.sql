@@ -25,9 +25,10 @@ CREATE OR REPLACE TRIGGER outbox_events_notify
 -- Each aggregate's published rows by seq: the poller (and the handover) look up whether a row
 -- they are about to publish has a later row of its aggregate already published (its
 -- transaction committed after that one went out), which they count as out of seq order
--- (README.md, "Order per aggregate on each path"). Only rows marked processed are in it, so
--- an outbox relayed by stream, which marks none, keeps it empty. On a large table, create it
--- beforehand with CREATE INDEX CONCURRENTLY, so that writes are not blocked while it is built.
+-- (docs/how-it-works.md, "Order per aggregate on each path"). Only rows marked processed are
+-- in it, so an outbox relayed by stream, which marks none, keeps it empty. On a large table,
+-- create it beforehand with CREATE INDEX CONCURRENTLY, so that writes are not blocked while it
+-- is built.
 CREATE INDEX IF NOT EXISTS outbox_events_published
     ON outbox_events (aggregate_type, aggregate_id, seq)
     WHERE processed_at IS NOT NULL;
@@ -46,8 +47,8 @@ CREATE OR REPLACE VIEW outbox_dead_letters AS
 -- again. Every poller connection reads its table's row here, in the table's schema, and stops
 -- on it. The handover writes the row before it makes its slot (lsn NULL: it fences only while
 -- that slot exists, so a handover undone before it fences nothing) and sets lsn once the slot
--- is made: from then on the fence holds, slot or no slot. A way back to polling: README.md,
--- "Back from stream to poll".
+-- is made: from then on the fence holds, slot or no slot. A way back to polling:
+-- docs/polling.md, "Back from stream to poll".
 CREATE TABLE IF NOT EXISTS cdc_relay_handovers (
     table_oid      oid         PRIMARY KEY,  -- the outbox table handed over
     table_name     text        NOT NULL,     -- its name at the handover

@@ -1,6 +1,6 @@
 """The ConfigMap is one TOML file, cdc-relay.toml, that the setup Job and the stream pods
 mount and name in CDC_RELAY_CONFIG: each command takes what it has options for, so a setting
-of the stream does not make the Job exit 2 (README.md, "The configuration file")."""
+of the stream does not make the Job exit 2 (docs/configuration.md, "The configuration file")."""
 
 from __future__ import annotations
 

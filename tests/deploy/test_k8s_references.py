@@ -44,7 +44,7 @@ def test_kustomization_lists_every_file_of_its_folder(folder: Any) -> None:
 
 # What the Jobs of the overlays run: once, as the outbox table's owner.
 ADMIN_COMMANDS = {"setup-slot", "reshard", "drop-slot", "schema"}
-# The Secrets README's Kubernetes section has the user make, and their keys.
+# The Secrets docs/kubernetes.md has the user make, and their keys.
 USER_SECRETS = {
     "cdc-relay-stream-db": {"username", "password"},
     "cdc-relay-poller-db": {"username", "password"},
@@ -84,12 +84,12 @@ def test_a_stateful_sets_service_exists_and_selects_its_pods(overlay_objects: Ob
 
 def secret_keys(objects: Objects, name: str) -> set[str]:
     """The keys of Secret ``name``: the overlay's own (the example's), or, where the overlay
-    makes no Secret (the production ones), those README has the user make it with."""
+    makes no Secret (the production ones), those docs/kubernetes.md has the user make it with."""
     if of_kind(objects, "Secret"):
         secret = named(objects, "Secret", name)
         assert secret, name
         return {*secret.get("data", {}), *secret.get("stringData", {})}
-    assert name in USER_SECRETS, f"{name}: not a Secret README tells to make"
+    assert name in USER_SECRETS, f"{name}: not a Secret docs/kubernetes.md tells to make"
     return USER_SECRETS[name]
 
 

@@ -94,7 +94,8 @@ def test_building_on_the_base_with_the_sites_component_not_on_the_example() -> N
 
 
 def test_no_secret_and_nothing_of_the_example(production: Objects) -> None:
-    """Applying the overlay as README says leaves the Secrets made by hand as they are."""
+    """Applying the overlay as docs/kubernetes.md says leaves the Secrets made by hand as they
+    are."""
     assert not of_kind(production, "Secret")
     text = "\n".join(str(obj) for obj in production)
     found = {value for value in example_values() if value in text}
@@ -119,10 +120,9 @@ def test_the_sites_placeholders_reach_nothing(production: Objects) -> None:
                 assert any(network.subnet_of(n) for n in NEVER_ROUTED), network
 
 
-def test_readme_has_the_user_make_every_secret_the_pods_name(production: Objects) -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("\n## Kubernetes") : readme.index("\n## Security")]
-    made = set(re.findall(r"kubectl -n cdc-relay create secret generic (\S+)", section))
+def test_the_docs_have_the_user_make_every_secret_the_pods_name(production: Objects) -> None:
+    page = (ROOT / "docs" / "kubernetes.md").read_text()
+    made = set(re.findall(r"kubectl -n cdc-relay create secret generic (\S+)", page))
     named_by_pods = {
         ref["name"]
         for _, template in pod_templates(production)

@@ -259,7 +259,8 @@ def test_a_slot_without_failover_is_gone_after_a_promotion_and_stream_and_status
         "failover slot, stayed behind; make it anew with cdc-relay setup-slot "
         "--republish-since TIME, which first publishes again the events created since TIME: the "
         "time of the old relay's last progress line less its lag and your longest transaction "
-        "(earlier costs only duplicates) (README: Hot standby and database failover)"
+        "(earlier costs only duplicates) "
+        '(docs/failover.md, "Hot standby and database failover")'
     )
     log = (tmp_path / "relay-1.log").read_text()
     assert log.strip().splitlines()[-1] == f"cdc-relay: error: {gone}", log
@@ -304,7 +305,7 @@ def test_setup_slot_failover_says_what_is_missing_in_one_line_each(
         assert line.startswith("cdc-relay: error: PostgreSQL 1")
         assert line.endswith(
             " has no failover slots (new in 17); upgrade, or run setup-slot without --failover "
-            "and see README 'Hot standby and database failover'"
+            'and see docs/failover.md, "Hot standby and database failover"'
         )
         return
     # A lone server: the slot is made, and what a standby would need is reported.

@@ -394,10 +394,10 @@ def order_of(received: list[Received], key: str) -> list[str]:
 def test_two_transactions_of_one_aggregate_committing_out_of_seq_order(
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
-    """What README.md states of the order of each path: poll publishes the rows a claim finds
-    in seq order, and a row committed after a later one of its aggregate went out follows it,
-    counted; the handover publishes in seq order, and counts such a row among its backlog; the
-    republish publishes in seq order."""
+    """What docs/how-it-works.md states of the order of each path: poll publishes the rows a
+    claim finds in seq order, and a row committed after a later one of its aggregate went out
+    follows it, counted; the handover publishes in seq order, and counts such a row among its
+    backlog; the republish publishes in seq order."""
     install_poller(outbox_db)
     (port,) = free_ports(1)
     env = relay_env(

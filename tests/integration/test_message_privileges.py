@@ -100,7 +100,8 @@ def roles(outbox_db: str) -> Iterator[Roles]:
 
 
 def run_roles_script(dsn: str, roles: Roles) -> None:
-    """``cdc-relay schema show roles | psql``, as README says, with this test's role names."""
+    """``cdc-relay schema show roles | psql``, as docs/security.md says, with this test's role
+    names."""
     try:
         psql = find_bindir() / "psql"
     except DevstackError as err:

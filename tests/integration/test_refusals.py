@@ -4,8 +4,9 @@ Error classes, each made real: a batch refused for one oversized event (per-topi
 ``max.message.bytes``), a keyless event on a compacted topic, a topic that does not exist with
 auto-creation off, a topic the authorizer denies; and the delivery timeout the relays refuse
 to run with. For each: ``stream`` stopping at the culprit (halt), ``stream
---dead-letter-topic``, and ``poll``. What each relay must do is in README ("What lands on
-Kafka", "What the poller guarantees") and ARCHITECTURE.md (invariant 4, never skip silently).
+--dead-letter-topic``, and ``poll``. What each relay must do is in docs/wire.md ("What lands
+on Kafka"), docs/polling.md ("What the poller guarantees") and ARCHITECTURE.md (invariant 4,
+never skip silently).
 
 The module ends by printing the matrix (error class x mode x relay -> lost, reordered,
 duplicates, outcome) and writing it to pytest's temporary directory.
@@ -67,7 +68,7 @@ from cdc_relay.kafka.sink import producer_config
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).parents[2] / "README.md"
+DOCS = Path(__file__).parents[2] / "docs"  # the documentation site's pages
 ANONYMOUS = "User:ANONYMOUS"  # every client of a PLAINTEXT listener, the broker included
 DEAD = "dead-letters"  # the dead-letter topic: <topic prefix>.dead-letters
 POLL_OPTIONS = {
@@ -895,7 +896,7 @@ def test_a_payload_the_dead_letter_topic_refuses_too_stays_in_the_table(
 
 
 def _poller_section() -> str:
-    text = README.read_text()
+    text = (DOCS / "polling.md").read_text()
     start = text.index("## The polling relay")
     end = text.find("\n## ", start + 1)
     return " ".join(text[start : end if end > 0 else None].split())  # lines unwrapped
@@ -1005,7 +1006,7 @@ def test_poll_makes_the_culprit_a_dead_letter_and_publishes_every_other_row(
             assert retried  # the batch-level refusal reached innocent rows too
         assert_only_writes_denied(broker, scenario, prefix)
         # Later rows of the culprit's aggregate waited behind it until it was a dead letter,
-        # as README's poller section says.
+        # as the poller's section of docs/polling.md says.
         assert overtaken == 0
         section = _poller_section()
         assert "the later rows of its aggregate wait for it" in section
@@ -1164,9 +1165,14 @@ def test_a_delivery_timeout_is_refused_at_start(
         assert left == 1  # nothing was read or relayed
 
 
-def test_readme_advises_no_kafka_setting_the_relays_refuse() -> None:
-    """Every ``--kafka-config key=value`` README shows is one the relays start with."""
-    advised = re.findall(r"--kafka-config ([\w.]+)=([^\s`]+)", README.read_text())
+def test_the_docs_advise_no_kafka_setting_the_relays_refuse() -> None:
+    """Every ``--kafka-config key=value`` the documentation's pages show (as an option, or in
+    a configuration file's ``kafka-config = [...]``) is one the relays start with."""
+    text = "\n".join(page.read_text() for page in sorted(DOCS.rglob("*.md")))
+    advised = re.findall(r"--kafka-config ([\w.]+)=([^\s`]+)", text)
+    for listed in re.findall(r"^kafka-config = \[(.*)\]$", text, re.M):
+        advised += re.findall(r'"([\w.]+)=([^"]*)"', listed)
+    assert advised, "no --kafka-config setting found in the pages: the pattern no longer matches"
     refused = []
     for key, value in advised:
         try:

@@ -267,7 +267,7 @@ def test_the_roles_script_takes_back_what_was_granted_before(outbox_db: str) -> 
     """Two sets of the three roles: one new, one given more first (a table of its own to
     write, pg_write_all_data, another role's privileges, CREATE on schema public, column and
     default privileges, DELETE for the poller). After the script both may do exactly the
-    same, and what README.md says."""
+    same, and what docs/security.md says."""
     with psycopg.connect(outbox_db, autocommit=True) as conn:
         conn.execute(schema.text("poller").encode())
     suffix = uuid.uuid4().hex[:8]
@@ -309,7 +309,7 @@ def test_the_roles_script_takes_back_what_was_granted_before(outbox_db: str) -> 
                 assert was_given - set(fingerprint(outbox_db, new[kind])) == set(), kind
                 assert set(fingerprint(outbox_db, new[kind])) - was_given == set(), kind
 
-        # What README.md says each may do with the outbox.
+        # What docs/security.md says each may do with the outbox.
         def may(role: str) -> set[str]:
             return {
                 f"{what} {name} {holds}".strip()

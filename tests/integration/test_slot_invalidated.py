@@ -138,8 +138,8 @@ def _expected(slot: str, row: dict[str, Any], cause: str) -> str:
         "(cdc-relay drop-slot) and make it anew with cdc-relay setup-slot --republish-since "
         "TIME, which first publishes again the events created since TIME: the time of the old "
         "relay's last progress line less its lag and your longest transaction (earlier costs "
-        f"only duplicates; the slot had confirmed {row['confirmed_flush_lsn']}) (README: A "
-        "slot PostgreSQL gave up on)"
+        f"only duplicates; the slot had confirmed {row['confirmed_flush_lsn']}) "
+        '(docs/failover.md, "A slot PostgreSQL gave up on")'
     )
 
 
@@ -247,7 +247,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_remedy_drop_slot_then_setup_slot_republish_since_loses_nothing(
     tmp_path: Path, server: str, outbox_db_on: Any, kafka_service: Any, names: Any
 ) -> None:
-    """README's remedy, as typed: drop-slot, setup-slot --republish-since T (T: the newest
+    """docs/failover.md's remedy, as typed: drop-slot, setup-slot --republish-since T (T: the newest
     event on Kafka, less a margin), then stream. Every event reaches Kafka, the first delivery of
     each in order per aggregate; sent twice: only those created since T that the old slot had
     relayed. On a database of its own: ``--republish-since T`` publishes every row created

@@ -14,7 +14,7 @@ as test_refusals runs), with a SCRAM listener for a principal that may not creat
 - (open, xfail) a topic deleted while the relay runs is made again, its events not
   dead-lettered.
 
-README.md ("Topics: --create-topics") and ARCHITECTURE.md ("Topics made before their first
+docs/wire.md ("Topics: --create-topics") and ARCHITECTURE.md ("Topics made before their first
 event") say what the relay does.
 """
 

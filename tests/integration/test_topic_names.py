@@ -1,6 +1,6 @@
 """Aggregate types whose topics meet: what each relay does, against the real Kafka.
 
-Two cases (README, "What lands on Kafka"):
+Two cases (docs/wire.md, "What lands on Kafka"):
 
 - Kafka's own rule: ``.`` and ``_`` are the same to it in a topic name, so once
   ``<prefix>.order_line`` exists the broker refuses to create ``<prefix>.order.line``, and

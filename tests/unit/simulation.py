@@ -381,8 +381,9 @@ class Takeover:
     takes the slot (after ``waits`` refused attempts) and relays until drained; then the
     process resumes, or is killed without resuming (``resume`` False). At least once, a
     process frozen whole delivers what its producer held when it resumes, before it can
-    notice anything (README says so; exactly once fences it): there it resumes only if it
-    was paused after it noticed that its connection was lost, and is killed otherwise."""
+    notice anything (docs/exactly-once.md, "Idempotent consumers", says so; exactly once fences
+    it): there it resumes only if it was paused after it noticed that its connection was lost,
+    and is killed otherwise."""
 
     waits: int = 0
     resume: bool = True

@@ -1,6 +1,8 @@
 """What the code, the tests and the documents cite exists: the documents (the repository carries
-its own design in ARCHITECTURE.md), their sections, the invariants by number, and the modules
-by path. A citation that leads nowhere is how a document drifts from the code."""
+its own design in ARCHITECTURE.md, and the users' documentation in the pages of docs/), their
+sections, the invariants by number, and the modules by path. A citation that leads nowhere is
+how a document drifts from the code. README.md is a short introduction with no sections to
+cite: what users are pointed to is a page, ``docs/PAGE.md, "Heading"``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = sorted(
     path
-    for folder in ("cdc_relay", "tests", "bench", "demo", "deploy", ".ci")
+    for folder in ("cdc_relay", "tests", "bench", "demo", "deploy", ".ci", "docs")
     for path in (ROOT / folder).rglob("*")
     if path.suffix in {".py", ".sql", ".md", ".yaml", ".yml", ".sh", ""}
     and path.is_file()
@@ -34,19 +36,30 @@ TEXTS = {path.relative_to(ROOT).as_posix(): _text(path) for path in SOURCES}
 
 
 def _headings(document: str) -> list[str]:
-    lines = (ROOT / document).read_text().splitlines()
-    return [line.lstrip("#").strip().replace("`", "") for line in lines if line.startswith("#")]
+    """The document's headings; a ``#`` line inside a fenced block (a shell comment) is none."""
+    headings, fenced = [], False
+    for line in (ROOT / document).read_text().splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif line.startswith("#") and not fenced:
+            headings.append(line.lstrip("#").strip().replace("`", ""))
+    return headings
+
+
+# ARCHITECTURE.md, README.md or a page of the site, docs/PAGE.md, then the quoted sections.
+CITATION = re.compile(
+    r'\b(ARCHITECTURE\.md|README\.md|docs/[\w/-]+\.md),?\s*\(?((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)'
+)
 
 
 def _cited_sections() -> list[tuple[str, str, str]]:
-    """(citing file, document, section) for each ``DOC.md, "Section"`` or ``DOC.md ("A", "B")``."""
+    """(citing file, document, section) for each ``DOC.md, "Section"`` or ``DOC.md ("A", "B")``,
+    DOC.md being ARCHITECTURE.md, README.md or docs/PAGE.md."""
     found = []
-    pattern = re.compile(r'(ARCHITECTURE|README)\.md,?\s*\(?((?:"[^"]+"(?:,\s*|\s+and\s+)?)+)')
     for name, text in TEXTS.items():
-        for match in pattern.finditer(text):
-            document = f"{match.group(1)}.md"
+        for match in CITATION.finditer(text):
             sections = re.findall(r'"([A-Z`][^"]*)"', match.group(2))
-            found.extend((name, document, section.replace("`", "")) for section in sections)
+            found.extend((name, match.group(1), section.replace("`", "")) for section in sections)
     return found
 
 
@@ -56,14 +69,62 @@ SECTIONS = _cited_sections()
 def test_citations_are_found() -> None:
     assert len(SECTIONS) > 10
     assert ("tests/unit/test_simulation.py", "ARCHITECTURE.md", "The simulation") in SECTIONS
+    cited = {(name, document, section) for name, document, section in SECTIONS}
+    assert (
+        "cdc_relay/postgres/failover.py",
+        "docs/failover.md",
+        "A slot PostgreSQL gave up on",
+    ) in cited
 
 
-@pytest.mark.parametrize(("citing", "document", "section"), SECTIONS)
+@pytest.mark.parametrize(
+    ("citing", "document", "section"),
+    [(name, doc, section) for name, doc, section in SECTIONS if doc != "README.md"],
+)
 def test_a_cited_section_exists(citing: str, document: str, section: str) -> None:
+    assert (ROOT / document).is_file(), f"{citing} cites {document}, which does not exist"
     headings = _headings(document)
     assert any(heading.startswith(section) for heading in headings), (
         f"{citing} cites {document}, {section!r}, which has no such section"
     )
+
+
+# README, then a section: quoted (README.md, "A"; README 'A'; README ("A")) or named after a
+# comma or a colon (README, Kubernetes; README: A slot ...). Another README (tests/golden/...)
+# is another file; README.md as a path ("README.md") is no section.
+README_SECTION = re.compile(
+    r"""(?<![\w/.])README(?:\.md)?(?:(?:\s*[,:])?\s*\(?["'][A-Z`]|[,:] [A-Z])"""
+)
+
+
+def test_nothing_cites_a_section_of_the_readme() -> None:
+    """The README keeps none of the sections users were pointed to: they are pages now."""
+    citing = sorted(
+        f"{name}: {text[match.start() : match.end() + 40]}"
+        for name, text in TEXTS.items()
+        for match in README_SECTION.finditer(text)
+    )
+    assert citing == [], 'cite docs/PAGE.md, "Heading" instead of the README:\n' + "\n".join(citing)
+
+
+def test_the_readme_pattern_finds_each_form_of_a_readme_citation() -> None:
+    forms = [
+        'see README.md, "The configuration file"',
+        '(README.md ("Order per aggregate on each path")',
+        "and see README 'Hot standby and database failover'",
+        '(README "Pruning a stream outbox")',
+        "(README, Kubernetes, step 3)",
+        "(README: A slot PostgreSQL gave up on)",
+    ]
+    assert all(README_SECTION.search(form) for form in forms)
+    kept = [
+        "(tests/golden/README.md)",
+        'bench/README.md, "Results"',
+        "the README says so",
+        "the README's first lines",
+        'ROOT / "README.md").read_text()',
+    ]
+    assert not any(README_SECTION.search(form) for form in kept)
 
 
 def test_only_documents_the_repository_has_are_cited() -> None:
@@ -72,6 +133,12 @@ def test_only_documents_the_repository_has_are_cited() -> None:
         for name, text in TEXTS.items()
         for document in re.findall(r"\b((?:[\w.-]+/)*[A-Z][\w-]*\.md)\b", text)
     }
+    cited |= {  # the site's pages, docs/PAGE.md
+        (name, document)
+        for name, text in TEXTS.items()
+        for document in re.findall(r"(?<![\w/.-])(docs/[\w/-]+\.md)\b", text)
+    }
+    assert any(document == "docs/failover.md" for _, document in cited)
     missing = sorted(
         (name, document)
         for name, document in cited
@@ -103,11 +170,20 @@ def test_a_cited_module_path_exists() -> None:
     assert sorted((name, path) for name, path in cited if not (ROOT / path).exists()) == []
 
 
-@pytest.mark.parametrize("document", ["ARCHITECTURE.md", "README.md"])
-def test_a_module_the_documents_name_exists(document: str) -> None:
-    """``relay/stream.py``, or ``stream.py`` alone where only one module has that name."""
+@pytest.mark.parametrize("documents", [["ARCHITECTURE.md"], ["README.md", "docs"]])
+def test_a_module_the_documents_name_exists(documents: list[str]) -> None:
+    """``relay/stream.py``, or ``stream.py`` alone where only one module has that name: in the
+    design, and in what users read (the README and the site's pages)."""
     files = [path.relative_to(ROOT).as_posix() for path in ROOT.rglob("*.py")]
-    named = set(re.findall(r"\b((?:\w+/)*\w+\.py)\b", (ROOT / document).read_text()))
+    paths = [
+        path
+        for document in documents
+        for path in (
+            [ROOT / document] if document.endswith(".md") else (ROOT / document).rglob("*.md")
+        )
+    ]
+    text = "\n".join(path.read_text() for path in paths)
+    named = set(re.findall(r"\b((?:\w+/)*\w+\.py)\b", text))
     assert named
     missing = sorted(
         name for name in named if not any(f == name or f.endswith("/" + name) for f in files)

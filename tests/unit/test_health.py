@@ -99,7 +99,7 @@ def test_the_stall_timeout_outlasts_a_kafka_transaction_and_the_docs_say_it() ->
     assert isinstance(interval.type, click.FloatRange)
     assert interval.type.max is not None and interval.type.max < STALL_TIMEOUT
     said = f"waited {STALL_TIMEOUT:g} s for Kafka"
-    for path in (ROOT / "README.md", ROOT / "deploy" / "base" / "deployment.yaml"):
+    for path in (ROOT / "docs" / "operations.md", ROOT / "deploy" / "base" / "deployment.yaml"):
         assert said in " ".join(path.read_text().split()), path
     option = next(p for p in cli.commands["stream"].params if p.name == "metrics_port")
     assert said in " ".join((option.help or "").split())

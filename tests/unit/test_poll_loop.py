@@ -460,7 +460,7 @@ def test_a_claim_postgresql_released_while_kafka_was_away_is_dropped_not_deliver
 def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Its transaction committed after the later row went out (README.md, "Order per
+    """Its transaction committed after the later row went out (docs/how-it-works.md, "Order per
     aggregate on each path"): it follows that row, and the poller says so."""
     store = MemoryOutbox()
     first, second = store.add("a", 2)
@@ -483,7 +483,7 @@ def test_a_row_published_after_a_later_one_of_its_aggregate_is_said_and_counted(
 
 
 def test_a_refused_row_is_counted_in_outbox_events_failed() -> None:
-    """README.md lists outbox_events_failed_total among the poller's metrics."""
+    """docs/polling.md lists outbox_events_failed_total among the poller's metrics."""
     store = MemoryOutbox()
     poison = store.add("b")[0]
 

@@ -105,7 +105,7 @@ def faults(exactly: bool) -> st.SearchStrategy[Action]:
     if exactly:
         # Fenced, a relay that was paused while a standby took over cannot add to Kafka when
         # it resumes; at least once, it may deliver what its producer held before it notices
-        # (README), so there the paused relay is killed instead of resumed.
+        # (docs/exactly-once.md), so there the paused relay is killed instead of resumed.
         common += [st.just(Abort()), st.just(Fence()), st.builds(Takeover, st.integers(0, 2))]
     else:
         common.append(st.builds(Takeover, st.integers(0, 2), st.booleans()))
