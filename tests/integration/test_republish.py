@@ -357,9 +357,9 @@ def test_the_republish_reproduces_the_golden_wire_contract(
 def promotable(tmp_path: Path, pg18_bin: Path) -> Iterator[Any]:
     """A PostgreSQL 18 primary and a synchronous standby (test_failover.py's pair): what the
     application was told committed survives the primary's death."""
-    import test_failover as f
+    import failover_pair as f
 
-    pair = f._start_pair(tmp_path, pg18_bin, {"synchronous_standby_names": f.STANDBY})
+    pair = f.start_pair(tmp_path, pg18_bin, {"synchronous_standby_names": f.STANDBY})
     try:
         yield pair
     finally:

@@ -126,7 +126,7 @@ CUT_STEPS = [
 ]
 
 
-# --trace-column's values as applications store them (tests/unit/test_trace_context.py): a
+# --trace-column's values as applications store them (tests/unit/test_trace_context_values.py): a
 # plain traceparent, and java.util.Properties text as Debezium's outbox extension writes into its
 # tracingspancontext column (Properties.store: a date comment, "=" and ":" escaped in values).
 _TRACE_INSERT = (
