@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -165,6 +166,18 @@ def slot_row(dsn: str, slot: str) -> dict[str, Any]:
         row = cur.fetchone()
         assert row is not None, f"slot {slot} is gone"
         return {"active": row[0], "active_pid": row[1], "confirmed": row[2], "retained": row[3]}
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The /metrics page as {sample name with labels: value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.2) -> None:

@@ -9,14 +9,13 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from failover_pair import DATABASE, SYNCHRONOUS, Pair, start_pair
-from relaytools import RelayProcess, Writer, relay_env, wait_until
+from relaytools import RelayProcess, Writer, relay_env, scrape, wait_until
 
 from cdc_relay.devstack import free_ports
 from cdc_relay.devstack.postgres import LocalPostgres
@@ -53,18 +52,6 @@ def _on(server: LocalPostgres, *statements: str) -> None:
     with psycopg.connect(server.dsn, autocommit=True) as conn:
         for statement in statements:
             conn.execute(statement.encode())
-
-
-def scrape(port: int) -> dict[str, float]:
-    """The /metrics page as {sample name with labels: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def _gauge(port: int, slot: str) -> float | None:

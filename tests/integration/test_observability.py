@@ -12,23 +12,11 @@ from typing import Any
 
 import psycopg
 import pytest
-from relaytools import RelayProcess, Writer, consume, relay_env, setup_slot, wait_until
+from relaytools import RelayProcess, Writer, consume, relay_env, scrape, setup_slot, wait_until
 
 from cdc_relay.devstack import free_ports
 
 pytestmark = pytest.mark.integration
-
-
-def scrape(port: int) -> dict[str, float]:
-    """The /metrics page as {sample name with labels: value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            samples[name] = float(value)
-    return samples
 
 
 def probe(port: int, path: str) -> int:
