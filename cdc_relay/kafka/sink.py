@@ -21,7 +21,15 @@ from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
 from cdc_relay.kafka.outage import KAFKA
 from cdc_relay.kafka.overdue import Overdue
 from cdc_relay.kafka.routing import Message
-from cdc_relay.kafka.topics import Creator, NotYet, Topics, TopicSpec, Unmade, collides
+from cdc_relay.kafka.topics import (
+    MISSING,
+    Creator,
+    NotYet,
+    Topics,
+    TopicSpec,
+    Unmade,
+    collides,
+)
 
 log = logging.getLogger(__name__)
 # librdkafka's own lines, through our handlers instead of raw stderr
@@ -92,8 +100,6 @@ _REFUSALS = (KafkaError._AUTHENTICATION, KafkaError._SSL)
 _CONNECTION_FAILED = (KafkaError._TRANSPORT, KafkaError._RESOLVE)
 
 
-# Kafka does not know the topic (an answer about the topic, not about the message).
-_UNKNOWN_TOPIC = (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)
 _LIST_TIMEOUT = 2.0  # seconds a listing of Kafka's topics may hold up the loop
 _LIST_AGAIN = 5.0  # seconds before Kafka's topics are asked for again, after no answer
 
@@ -391,7 +397,7 @@ class KafkaSink:
         except KafkaException as exc:
             return f"Kafka did not list its topics ({exc.args[0].str()})"
         found = metadata.topics.get(topic)
-        if found is None or (found.error is not None and found.error.code() in _UNKNOWN_TOPIC):
+        if found is None or (found.error is not None and found.error.code() in MISSING):
             other = next((t for t in sorted(metadata.topics) if collides(topic, t)), None)
             if other is not None:
                 self._topics.forget(topic)  # its next event is refused at once (offer)
@@ -419,6 +425,11 @@ class KafkaSink:
         """Messages handed to the producer and not yet reported."""
         return len(self._producer)
 
+    def missing(self, topic: str, err: KafkaError) -> bool:
+        """Whether ``err`` says Kafka does not have ``topic`` and this sink makes its topics:
+        checked again (and made) before its next event (cdc_relay.kafka.topics)."""
+        return self._topics.missing(topic, err)
+
     def close(self) -> int:
         """Close the producer; return how many messages were still unacknowledged."""
         left = len(self._producer)
@@ -431,7 +442,7 @@ class KafkaSink:
         """The report of a topic's watched message (cdc_relay.kafka.overdue)."""
         topic = message.topic()
         self._overdue.answered(topic)
-        if err is not None and err.code() in _UNKNOWN_TOPIC:
+        if err is not None and err.code() in MISSING:
             self._topics.forget(topic)  # checked again before its next event
         self._delivered(token, err, message)
 

@@ -135,6 +135,11 @@ _LATER = frozenset(
         KafkaError.NOT_CONTROLLER,
     }
 )
+# Kafka does not have the topic (an answer about the topic, not about a message): unknown to
+# the broker, or to the producer's metadata (a partition of it, after the topic was deleted).
+MISSING = frozenset(
+    {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION}
+)
 
 
 def request(admin: AdminClient, topic: str, spec: TopicSpec) -> Future[None]:
@@ -397,6 +402,15 @@ class Topics:
             asked,
             extra={"action": "topic_partitions_differ", "topic": topic},
         )
+
+    def missing(self, topic: str, err: KafkaError) -> bool:
+        """With a creator, Kafka saying it does not have ``topic`` (deleted while the relay
+        runs, or not yet in the producer's metadata) is no event's fault: True, and the topic
+        is checked again, and made if it is still missing, before its next event."""
+        if self._creator is None or err.code() not in MISSING:
+            return False
+        self.forget(topic)
+        return True
 
     def forget(self, topic: str) -> None:
         """Kafka said it does not know ``topic``: checked again before its next event (another

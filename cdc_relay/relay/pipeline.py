@@ -142,15 +142,18 @@ class Pipeline:
             err = self.deliver_alone(message, token)
             if err is None:
                 self.refusals.cleared(token)
-            elif is_culprit(err):
+            elif is_culprit(err) and not self.sink.missing(message.topic, err):
                 self.refusals.culprit(message, token, err)
-            else:  # not about this message after all: a later try
+            else:  # not about this message after all (nor a topic made anew): a later try
                 self.refusals.retry(token, err)
             return
         err = self.offer(message, token)
-        if err is not None:  # the client refused it: it is the culprit, for certain
+        if err is not None:  # the client refused it: it is the culprit, for certain,
             self.settle()
-            self.refusals.culprit(message, token, err)
+            if self.sink.missing(message.topic, err):  # unless its topic is to be made again
+                self.refusals.retry(token, err)
+            else:
+                self.refusals.culprit(message, token, err)
 
     def offer(self, message: Message, token: Any) -> KafkaError | None:
         """Hand ``message`` to the sink, waiting while its queue is full; the client's refusal

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from confluent_kafka import KafkaError
+
 from cdc_relay.kafka.checkpoints import Checkpoint
 from cdc_relay.kafka.deadletter import DeadLetterStore
 from cdc_relay.kafka.exactly_once import Transactions
@@ -107,6 +109,11 @@ class Sink(Protocol):
 
     def in_flight(self) -> int:
         """Messages handed over and not yet reported."""
+
+    def missing(self, topic: str, err: KafkaError) -> bool:
+        """Whether ``err`` says that Kafka does not have ``topic`` and the sink makes its
+        topics (--create-topics): then no event's fault, and the topic is checked again (and
+        made) before its next event."""
 
     def renew(self) -> None:
         """Drop what it holds (each gets its refusal report) and start afresh."""

@@ -271,11 +271,8 @@ class StreamRelay:
         records = self._records
         records.tables, confirmed, records.plugin = self._check_database()
         self.sink.check_reachable(self.settings.kafka_timeout)
-        if not self._connection.acquire():
+        if not self._take_slot():
             return  # stopped while waiting as a standby
-        # Only with the slot in hand: a standby's relay may have moved the slot on (past a
-        # resharding cut, past the checkpoint's units) while this one waited.
-        self._held()
         # Only with the slot in hand: a standby must not fence the relay it stands by for.
         self._start_transactions()
         publication = self.settings.publication if records.plugin == "pgoutput" else None
@@ -414,12 +411,32 @@ class StreamRelay:
         if self._cut.start_after(conn, shard, confirmed):
             self._records.quiet = self._cut.waiting  # exactly once sets it again when it starts
 
-    def _held(self) -> None:
-        """The slot is this relay's now: what was decided from its position before it was
-        held (a standby waited meanwhile) is decided again from where it is (standby.py)."""
-        confirmed = self._standby.held(self._timeline, self._start_after_cut)
-        if confirmed is not None:
-            self._slot_confirmed = confirmed
+    def _take_slot(self) -> bool:
+        """Open the stream (standing by while another relay holds the slot); then, with the
+        slot in hand, decide again what was decided from its position before it was held:
+        a standby's relay may have moved the slot on (past a resharding cut, past the
+        checkpoint's units) while this one waited (standby.py). The server lost in between
+        (a promotion) is a lost connection: the slot is taken again, and read again. False
+        when stopped first."""
+        if not self._connection.acquire():
+            return False
+        while True:
+            try:
+                confirmed = self._standby.held(self._timeline, self._start_after_cut)
+            except psycopg.OperationalError as exc:
+                log.warning(
+                    "lost the server just after taking the slot (%s); taking it again",
+                    str(exc).strip(),
+                    extra={"action": "disconnected"},
+                )
+                self._connection.close()
+                self._connection.reconnect()
+                if self._connection.conn is None:
+                    return False  # stopped while reconnecting
+                continue
+            if confirmed is not None:
+                self._slot_confirmed = confirmed
+            return True
 
     def _start_transactions(self) -> None:
         """Exactly once: fence older relays of this transactional id, read how far they

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.version import Version
 from relaytools import Writer, check, consume
 
 pytestmark = pytest.mark.integration
@@ -79,9 +80,22 @@ def test_make_dist_builds_a_wheel_and_an_sdist_of_one_version(dist: Path) -> Non
     (sdist,) = dist.glob("cdc_relay-*.tar.gz")
     version = wheel.name.split("-")[1]
     assert sdist.name == f"cdc_relay-{version}.tar.gz"
-    # From git: a release tag's X.Y.Z, or a development version after it (0.1.devN+gHASH in a
-    # clone without tags), never the fallback of a tree without git metadata.
-    assert re.fullmatch(r"\d+(\.\d+)+(\.dev\d+\+g[0-9a-f]+(\.d\d{8})?)?", version), version
+    # From git, never the fallback of a tree without git metadata: a release tag's X.Y.Z on
+    # a tagged commit, else a development version naming the commit (X.Y.(Z+1).devN+gHASH
+    # after a tag, 0.0.1.devN+unknown.gHASH in a clone without tags).
+    parsed = Version(version)
+    head = _git("rev-parse", "HEAD")
+    if parsed.local is None:
+        assert f"v{version}" in _git("tag", "--points-at", "HEAD").split(), version
+    else:
+        assert parsed.is_devrelease, version
+        assert re.search(rf"(^|\.)g{head[:7]}", parsed.local), (version, head)
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def test_the_installed_wheel_runs_its_console_script_and_schema_show(

@@ -681,16 +681,6 @@ def test_an_aggregate_type_naming_an_internal_topic_is_refused_not_made(
     assert "Traceback" not in log
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the producer fails the deleted topic's events (Local: Unknown partition, "
-    "after topic.metadata.propagation.max.ms), which is not an unknown topic to the sink, so "
-    "the topic is not checked again; the event sent alone is refused as unknown and, a "
-    "culprit, dead-lettered; the relay then makes the topic, but the producer's cache still "
-    "holds it as missing and refuses the next events at once, dead-lettered too. Proposal: "
-    "with --create-topics an unknown topic or partition is never a culprit (retry after "
-    "checking the topic again), and the producer's metadata is refreshed for a topic made",
-)
 def test_a_topic_deleted_while_stream_runs_is_made_again_and_nothing_is_dead_lettered(
     tmp_path: Path, outbox_db: str, broker: Broker, names: Any
 ) -> None:
@@ -702,7 +692,10 @@ def test_a_topic_deleted_while_stream_runs_is_made_again_and_nothing_is_dead_let
     dead = f"{prefix}.dead-letters"
     create_topics(broker.bootstrap, {dead: {}})
     setup_slot(outbox_db, names)
-    env = relay_env(outbox_db, broker.bootstrap, names) | creation_env(dead_letter_topic=dead)
+    # The producer gives a deleted topic's events up after this (30 s by default).
+    env = relay_env(outbox_db, broker.bootstrap, names) | creation_env(
+        dead_letter_topic=dead, kafka_config="topic.metadata.propagation.max.ms=5000"
+    )
     relay = RelayProcess(tmp_path, env).start()
     admin = AdminClient({"bootstrap.servers": broker.bootstrap})
     try:
@@ -728,3 +721,4 @@ def test_a_topic_deleted_while_stream_runs_is_made_again_and_nothing_is_dead_let
         log[-4000:],
     )
     assert first  # sent before the deletion, gone with the topic
+    assert log.count(f"created topic {prefix}.order (") == 2, log[-4000:]  # and again

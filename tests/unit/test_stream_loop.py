@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from capture import pgoutput_messages
 from confluent_kafka import KafkaError
@@ -36,6 +37,7 @@ from cdc_relay.events import (
 )
 from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters
 from cdc_relay.kafka.routing import Message, Router, TopicTaken
+from cdc_relay.kafka.topics import MISSING
 from cdc_relay.lsn import Lsn
 from cdc_relay.postgres import pgoutput
 from cdc_relay.postgres.replication import ConnectionLost, Keepalive, XLogData
@@ -320,6 +322,7 @@ class Sink:
         self.poison: dict[str, int] = {}
         self.refuse_once: dict[str, int] = {}
         self.on_poll: Callable[[], object] = lambda: None
+        self.makes_topics = False
         self.broken = False
         self.connected = True
         self.watchdog = WATCHDOG
@@ -348,6 +351,10 @@ class Sink:
 
     def in_flight(self) -> int:
         return len(self.queue)
+
+    def missing(self, topic: str, err: KafkaError) -> bool:
+        # As KafkaSink with --create-topics (``makes_topics``): the topic is made again.
+        return self.makes_topics and err.code() in MISSING
 
     def in_queue(self) -> set[str]:
         return {event_id(message) for message, _ in self.queue}
@@ -592,6 +599,34 @@ def test_a_culprit_goes_to_the_dead_letters_and_the_stream_goes_on() -> None:
     assert wal.flushed()[-1] == wal.end
 
 
+def test_an_event_of_a_deleted_topic_waits_for_the_topic_made_again_and_is_no_dead_letter() -> None:
+    """With --create-topics a topic deleted under the relay is made again: its events, refused
+    as unknown in a batch and then alone (the producer's metadata still says missing), are
+    retried until it is there, never dead-lettered nor a stop."""
+    wal = Wal(backlog())
+    relay, sink = relay_on(wal, dead_letter_topic=DEAD)
+    sink.makes_topics = True
+    culprit = wal.event_ids[POISON]
+    sink.poison[culprit] = KafkaError._UNKNOWN_PARTITION
+
+    def on_poll() -> None:
+        if sum(1 for refused, _, size in sink.refused if refused == culprit and size == 1) >= 2:
+            sink.poison.clear()  # the topic is there again
+
+    sink.on_poll = on_poll
+    wal.on_idle = lambda: len(set(acked_ids(sink))) == len(wal.event_ids) and relay.request_stop()
+
+    relay.stream(wal.tables)
+
+    letters = relay.dead_letters
+    assert isinstance(letters, Letters)
+    assert letters.stored == []
+    assert [size for refused, _, size in sink.refused if refused == culprit][-2:] == [1, 1]
+    assert not [m for m in sink.acked if m.topic == DEAD]
+    assert first_seen(acked_ids(sink)) == wal.event_ids
+    assert wal.flushed()[-1] == wal.end
+
+
 def test_the_stop_line_counts_an_event_kafka_refused_as_the_relay_stopped(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -679,6 +714,35 @@ def test_a_lost_connection_reconnects_at_the_safe_position_and_replays() -> None
     assert all(wal.end_of(i) > resumed for i in again)
     assert len({wal.end_of(i) for i in again}) == 1
     assert wal.flushed()[-1] == wal.end
+
+
+def test_the_server_lost_just_after_the_slot_was_taken_is_a_lost_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A promotion between taking the slot and reading its position (standby.held, on a
+    connection of its own): the relay takes the slot again and reads it again, where it used
+    to die with psycopg's traceback."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    reads: list[int] = []
+
+    def held(timeline: Any, after_cut: Any) -> Lsn | None:
+        reads.append(len(wal.starts))
+        if len(reads) == 1:
+            raise psycopg.OperationalError(
+                "consuming input failed: server closed the connection unexpectedly"
+            )
+        return 0
+
+    relay._standby.held = held  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.stream"):
+        assert relay._take_slot()
+
+    assert reads == [1, 2]  # read again on the second stream, not before it
+    assert wal.starts == [0, 0]
+    assert wal.connections[0].closed
+    assert wal.holder is wal.connections[1]
+    assert "lost the server just after taking the slot" in caplog.text
 
 
 def test_shutdown_confirms_what_was_acknowledged_and_no_more(

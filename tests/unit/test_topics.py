@@ -128,6 +128,37 @@ def test_a_missing_topic_is_created_once_and_its_events_wait_for_kafka_s_answer(
     assert creator.spec.new_topic("p.order").num_partitions == 6
 
 
+@pytest.mark.parametrize(
+    "code",
+    [KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION],
+)
+def test_a_topic_deleted_under_a_relay_that_makes_topics_is_made_again(code: int) -> None:
+    """A topic deleted while the relay runs: the producer refuses its events as unknown. With
+    --create-topics that is no event's fault (so never dead-lettered): the topic is checked
+    again, and made, before its next event."""
+    creator = FakeCreator(TopicSpec())
+    topics = Topics(creator)
+    assert topics.collision("p.order", listing("p.order")[0]) is None
+    assert topics.missing("p.order", KafkaError(code))
+    assert "p.order" not in topics.checked
+    with pytest.raises(NotYet):
+        topics.collision("p.order", listing()[0])
+    assert [topic for topic, _ in creator.asked] == ["p.order"]
+
+
+def test_a_missing_topic_is_the_event_s_refusal_without_create_topics() -> None:
+    """Without --create-topics the missing topic is the user's to make: the event's refusal
+    (the relay stops, or dead-letters it), and no other error counts as a missing topic."""
+    topics = Topics()
+    assert topics.collision("p.order", listing("p.order")[0]) is None
+    assert not topics.missing("p.order", KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+    assert "p.order" in topics.checked
+    made = Topics(FakeCreator(TopicSpec()))
+    assert made.collision("p.order", listing("p.order")[0]) is None
+    assert not made.missing("p.order", KafkaError(KafkaError.MSG_SIZE_TOO_LARGE))
+    assert "p.order" in made.checked
+
+
 def test_a_topic_another_relay_made_meanwhile_is_success() -> None:
     creator = FakeCreator(TopicSpec())
     topics = Topics(creator)
