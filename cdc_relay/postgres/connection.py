@@ -34,6 +34,13 @@ def connect(dsn: str) -> psycopg.Connection[dict[str, Any]]:
         raise PreflightError(f"cannot connect to PostgreSQL: {first_line}; check --dsn") from None
 
 
+def reconnecting(dsn: str) -> psycopg.Connection[dict[str, Any]]:
+    """A plain connection for a relay that holds (or held) its slot: not through ``connect``,
+    so that a server refusing it now (a restart, a promotion) raises the OperationalError a
+    reconnecting relay retries on, not a start-up's PreflightError."""
+    return psycopg.connect(dsn, autocommit=True, row_factory=dict_row)
+
+
 def one_row(conn: psycopg.Connection[dict[str, Any]], name: str, **params: Any) -> dict[str, Any]:
     """The row of the query ``name`` of queries.sql; {} when it returns none."""
     row = conn.execute(QUERIES[name], params).fetchone()
@@ -42,10 +49,8 @@ def one_row(conn: psycopg.Connection[dict[str, Any]], name: str, **params: Any) 
 
 def timeline_of(dsn: str, slot: str) -> tuple[int, Lsn | None]:
     """The server's timeline (0 on a standby) and ``slot``'s confirmed position there (None
-    when the server has no such slot): a relay that reconnected may be on another server.
-    Not through ``connect``: a server that refuses the connection now raises the
-    OperationalError a reconnecting relay retries on, not a start-up's PreflightError."""
-    with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
+    when the server has no such slot): a relay that reconnected may be on another server."""
+    with reconnecting(dsn) as conn:
         row = conn.execute(QUERIES["timeline"]).fetchone() or {}
         found = conn.execute(QUERIES["slot"], {"slot": slot}).fetchone()
     confirmed = None if found is None else parse_lsn(str(found["confirmed_flush_lsn"]))

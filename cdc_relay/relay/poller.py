@@ -52,10 +52,11 @@ from cdc_relay.postgres.store import (
     take_poll_lock,
 )
 from cdc_relay.queries import QUERIES
+from cdc_relay.relay.backoff import reconnect_delay
 from cdc_relay.relay.batch import poll_router
 from cdc_relay.relay.pipeline import WAIT
 from cdc_relay.relay.stages import OpenSink, OpenStore, OutboxStore
-from cdc_relay.relay.worker import PollSettings, Wake, Worker, reconnect_delay
+from cdc_relay.relay.worker import PollSettings, Wake, Worker
 
 log = logging.getLogger(__name__)
 

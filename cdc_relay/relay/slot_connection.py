@@ -17,6 +17,7 @@ from cdc_relay.errors import PreflightError, RelayError
 from cdc_relay.lsn import format_lsn
 from cdc_relay.metrics import Health
 from cdc_relay.postgres.replication import ConnectionLost
+from cdc_relay.relay.backoff import RECONNECT_MAX
 from cdc_relay.relay.losses import Losses
 from cdc_relay.relay.lsn_tracker import LsnTracker
 from cdc_relay.relay.records import Records
@@ -26,8 +27,6 @@ from cdc_relay.relay.stream_settings import StreamSettings
 
 # The stream relay's lines, under one logger whichever of its parts writes them.
 log = logging.getLogger("cdc_relay.relay.stream")
-
-RECONNECT_MAX = 10.0  # seconds: the longest pause before another attempt
 
 
 class SlotConnection:

@@ -15,7 +15,7 @@ from cdc_relay.errors import SlotInUseError
 from cdc_relay.lsn import Lsn
 from cdc_relay.lsn import parse as parse_lsn
 from cdc_relay.metrics import Health
-from cdc_relay.postgres.connection import connect
+from cdc_relay.postgres.connection import reconnecting
 from cdc_relay.postgres.replication import ConnectionLost
 from cdc_relay.queries import QUERIES
 from cdc_relay.relay.cut import AfterCut
@@ -94,9 +94,10 @@ class Standby:
     def held(self, timeline: Timeline, after_cut: AfterCut) -> Lsn | None:
         """The slot is this relay's now: what was decided from its position before it was
         held (a standby waited meanwhile) is decided again from where it is. The slot's
-        confirmed position, None when it was dropped meanwhile (the stream says so)."""
+        confirmed position, None when it was dropped meanwhile (the stream says so). The
+        server lost meanwhile raises psycopg.OperationalError (StreamRelay._take_slot)."""
         settings = self._settings
-        with connect(settings.dsn) as conn:
+        with reconnecting(settings.dsn) as conn:
             # The server may be another one by now, promoted while this relay stood by.
             timeline.note((conn.execute(QUERIES["timeline"]).fetchone() or {}).get("timeline"))
             slot = conn.execute(QUERIES["slot"], {"slot": settings.slot}).fetchone()

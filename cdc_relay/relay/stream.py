@@ -56,6 +56,7 @@ from cdc_relay.postgres.shards import Shard
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.postgres.watch import Watcher
 from cdc_relay.relay import stages
+from cdc_relay.relay.backoff import RECONNECT_MAX, reconnect_delay
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
 from cdc_relay.relay.losses import Losses
@@ -64,7 +65,7 @@ from cdc_relay.relay.pipeline import Pipeline
 from cdc_relay.relay.preflight import check_database
 from cdc_relay.relay.records import Progress, Records
 from cdc_relay.relay.rewinds import Rewinds, Token
-from cdc_relay.relay.slot_connection import RECONNECT_MAX, SlotConnection
+from cdc_relay.relay.slot_connection import SlotConnection
 from cdc_relay.relay.stages import (
     CheckpointStore,
     OpenDeadLetters,
@@ -415,24 +416,27 @@ class StreamRelay:
         """Open the stream (standing by while another relay holds the slot); then, with the
         slot in hand, decide again what was decided from its position before it was held:
         a standby's relay may have moved the slot on (past a resharding cut, past the
-        checkpoint's units) while this one waited (standby.py). The server lost in between
-        (a promotion) is a lost connection: the slot is taken again, and read again. False
-        when stopped first."""
+        checkpoint's units) while this one waited (standby.py). Reading the slot fails when
+        the server is lost meanwhile (a promotion): read again, backing off, the failures
+        counted toward the stop as lost connections are (losses.py), and the stream kept (a
+        read on it finds it lost, and the relay reconnects). False when stopped first."""
         if not self._connection.acquire():
             return False
         while True:
             try:
                 confirmed = self._standby.held(self._timeline, self._start_after_cut)
             except psycopg.OperationalError as exc:
-                log.warning(
-                    "lost the server just after taking the slot (%s); taking it again",
-                    str(exc).strip(),
-                    extra={"action": "disconnected"},
+                lost = ConnectionLost(
+                    f"reading slot {self.settings.slot} just taken failed: {exc}",
+                    # an ERROR of the server's own (a statement timeout), not a lost server
+                    server_error=not (exc.sqlstate or "08").startswith(("08", "57P")),
                 )
-                self._connection.close()
-                self._connection.reconnect()
-                if self._connection.conn is None:
-                    return False  # stopped while reconnecting
+                log.warning("%s; reading it again", lost, extra={"action": "disconnected"})
+                self._losses.count(lost)
+                self._connection.pause(reconnect_delay(self._losses.in_a_row))
+                if self._stop:
+                    self._connection.close()
+                    return False
                 continue
             if confirmed is not None:
                 self._slot_confirmed = confirmed

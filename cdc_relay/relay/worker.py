@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,14 +42,12 @@ from cdc_relay.postgres.store import (
     kind,
     refusal,
 )
+from cdc_relay.relay.backoff import backoff, reconnect_delay
 from cdc_relay.relay.batch import open_batch
 from cdc_relay.relay.settings import RelaySettings
 from cdc_relay.relay.stages import Claims, OpenSink
 
 log = logging.getLogger(__name__)
-
-_RECONNECT_BASE = 0.5  # seconds before reconnecting to PostgreSQL, doubling up to the max
-_RECONNECT_MAX = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,23 +60,6 @@ class PollSettings(RelaySettings):
     backoff_base: float = 1.0
     backoff_max: float = 300.0
     trace_column: str | None = None  # --trace-column: the W3C trace context of each row
-
-
-def backoff(
-    attempts: int, base: float, cap: float, jitter: Callable[[], float] = random.random
-) -> float:
-    """Seconds before a row that has failed ``attempts`` times is tried again.
-
-    ``base * 2 ** (attempts - 1)``, at most ``cap``, times a random factor in [0.5, 1): rows that
-    failed together come back apart, and no wait is shorter than half its step.
-    """
-    step = min(cap, base * 2.0 ** min(max(attempts - 1, 0), 64))
-    return step * (0.5 + jitter() / 2)
-
-
-def reconnect_delay(failures: int) -> float:
-    """Seconds before connecting to PostgreSQL again after ``failures`` failures in a row."""
-    return backoff(failures, _RECONNECT_BASE, _RECONNECT_MAX)
 
 
 class Wake:

@@ -6,7 +6,7 @@ import click
 import pytest
 
 from cdc_relay.commands import options
-from cdc_relay.relay.worker import backoff
+from cdc_relay.relay.backoff import backoff
 
 
 def test_backoff_doubles_with_each_attempt_up_to_the_cap() -> None:

@@ -386,8 +386,9 @@ def simulated(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture)
     monkeypatch.setattr(worker, "time", CLOCK)
     monkeypatch.setattr(memory_outbox, "time", CLOCK)
     # The database the relay asks besides the stream (a new shard: the cut, the old slot).
-    for module in (cut, standby, preflight):
+    for module in (cut, preflight):
         monkeypatch.setattr(module, "connect", DATABASE.connect)
+    monkeypatch.setattr(standby, "reconnecting", DATABASE.connect)
     monkeypatch.setattr(messages, "psycopg", PSYCOPG)
 
 

@@ -11,8 +11,10 @@ the same against PostgreSQL and Kafka.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -720,29 +722,61 @@ def test_the_server_lost_just_after_the_slot_was_taken_is_a_lost_connection(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A promotion between taking the slot and reading its position (standby.held, on a
-    connection of its own): the relay takes the slot again and reads it again, where it used
-    to die with psycopg's traceback."""
+    connection of its own, refused by the server that went away): the relay reads again,
+    backing off, where it used to die with psycopg's traceback, or stop with a start-up's
+    "check --dsn". The stream is kept: a read on it finds it lost."""
     wal = Wal(backlog())
     relay, _ = relay_on(wal)
+    pauses: list[float] = []
+    relay._connection.pause = pauses.append  # type: ignore[method-assign]
     reads: list[int] = []
+    held = relay._standby.held
 
-    def held(timeline: Any, after_cut: Any) -> Lsn | None:
+    def read_slot(timeline: Any, after_cut: Any) -> Lsn | None:
         reads.append(len(wal.starts))
-        if len(reads) == 1:
-            raise psycopg.OperationalError(
-                "consuming input failed: server closed the connection unexpectedly"
-            )
+        if len(reads) < 3:  # a real connection to a server that is not there
+            return held(timeline, after_cut)
         return 0
 
-    relay._standby.held = held  # type: ignore[method-assign]
+    relay.settings = dataclasses.replace(relay.settings, dsn=f"host=127.0.0.1 port={closed_port()}")
+    relay._standby._settings = relay.settings
+    relay._standby.held = read_slot  # type: ignore[method-assign]
     with caplog.at_level(logging.WARNING, logger="cdc_relay.relay.stream"):
         assert relay._take_slot()
 
-    assert reads == [1, 2]  # read again on the second stream, not before it
-    assert wal.starts == [0, 0]
-    assert wal.connections[0].closed
-    assert wal.holder is wal.connections[1]
-    assert "lost the server just after taking the slot" in caplog.text
+    assert reads == [1, 1, 1]
+    assert wal.starts == [0]  # the slot was not let go
+    assert len(pauses) == 2 and 0 < pauses[0] and pauses[0] <= pauses[1] * 2
+    assert "reading slot test just taken failed: connection" in caplog.text
+
+
+def test_a_server_error_reading_the_slot_just_taken_again_and_again_stops_in_one_line() -> None:
+    """The server answering the read with an error of its own each time (a statement timeout):
+    counted as lost connections are, backing off, and a stop with one line, not a loop."""
+    wal = Wal(backlog())
+    relay, _ = relay_on(wal)
+    pauses: list[float] = []
+    relay._connection.pause = pauses.append  # type: ignore[method-assign]
+
+    def read_slot(timeline: Any, after_cut: Any) -> Lsn | None:
+        raise psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+
+    relay._standby.held = read_slot  # type: ignore[method-assign]
+    with pytest.raises(RelayError) as stop:
+        relay._take_slot()
+
+    assert "\n" not in str(stop.value)
+    assert "times in a row" in str(stop.value)
+    assert "statement timeout" in str(stop.value)
+    assert 5 <= len(pauses) < 10 and pauses[-1] > pauses[0]
+    assert wal.starts == [0]
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def test_shutdown_confirms_what_was_acknowledged_and_no_more(

@@ -65,8 +65,9 @@ class Database:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """The relay's plain connections reach this database (its parts', and messages.py's
         check of a cut)."""
-        for module in (shard_cut, standby, preflight):
+        for module in (shard_cut, preflight):
             monkeypatch.setattr(module, "connect", self.connect)
+        monkeypatch.setattr(standby, "reconnecting", self.connect)
         fake = types.SimpleNamespace(
             connect=self.connect, OperationalError=psycopg.OperationalError
         )

@@ -96,8 +96,9 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Callable[[Wal], Server]:
 
     def on(wal: Wal) -> Server:
         answers = Server(wal)
-        for module in (cut, standby, preflight):
+        for module in (cut, preflight):
             monkeypatch.setattr(module, "connect", answers.connect)
+        monkeypatch.setattr(standby, "reconnecting", answers.connect)
         monkeypatch.setattr(StreamRelay, "_check_database", lambda r: answers.check_database(r))
         return answers
 
