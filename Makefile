@@ -59,7 +59,7 @@ test: lint typecheck docs
 chaos: install
 	CDC_RELAY_CHAOS=1 $(PY) -m pytest tests/integration/test_faults.py
 
-# The simulation's long run (tests/unit/test_simulation.py; `make test` runs 500 derandomized
+# The simulation's long run (tests/unit/test_simulation.py; `make test` runs 200 derandomized
 # examples of each mode): SIMULATION_EXAMPLES random examples of each mode, SIMULATION_SEED to
 # repeat a run. A failure prints its schedule, shrunk; each mode prints how the search went.
 SIMULATION_EXAMPLES ?= 20000

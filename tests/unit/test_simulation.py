@@ -75,7 +75,7 @@ from cdc_relay.relay import (
 EXAMPLES = int(os.environ.get("CDC_RELAY_SIMULATION_EXAMPLES", "0"))
 LONG = EXAMPLES > 0
 SIMULATION = settings(
-    max_examples=EXAMPLES or 500,
+    max_examples=EXAMPLES or 200,
     stateful_step_count=25,
     deadline=None,
     derandomize=not LONG,  # the bounded run: the same examples on every machine
