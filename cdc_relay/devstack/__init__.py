@@ -48,27 +48,38 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_handed_out: set[int] = set()
+
+
 def free_ports(count: int = 1) -> list[int]:
     """``count`` distinct TCP ports on 127.0.0.1 that nothing is bound to right now.
 
     The ports come from below the kernel's ephemeral range when possible: a service that is
     restarted must bind its port again, and a port from the ephemeral range may meanwhile have
-    become the local end of some outgoing connection. Another process can still take a port
-    before the service binds it; the tests accept that race.
+    become the local end of some outgoing connection. A port is handed out once per process:
+    services made one after the other (the demo's Kafka, then its PostgreSQL, which binds its
+    port first) never share one. Another process can still take a port before the service
+    binds it; the tests accept that race.
     """
     low, _ = _ephemeral_range()
     candidates = list(range(15000, low)) if low > 16000 else []
     random.shuffle(candidates)
     ports: list[int] = []
     with contextlib.ExitStack() as held:
-        for candidate in [*candidates[:200], *([0] * count)]:
+        for candidate in [*candidates[:200], *([0] * (count + 64))]:
+            if candidate in _handed_out:
+                continue
             sock = held.enter_context(socket.socket())
             try:
                 sock.bind((LOOPBACK, candidate))
             except OSError:
                 continue
-            ports.append(sock.getsockname()[1])
+            port: int = sock.getsockname()[1]
+            if port in _handed_out:
+                continue
+            ports.append(port)
             if len(ports) == count:
+                _handed_out.update(ports)
                 return ports
     raise DevstackError(f"found no {count} free TCP port(s) on {LOOPBACK}")
 
