@@ -197,12 +197,18 @@ def committed_checkpoint(
 
     found = None
     try:
-        try:
-            metadata = consumer.list_topics(topic, timeout=left()).topics[topic]
-        except KafkaException as exc:
-            raise KafkaUnavailableError(
-                _unreadable(config, topic, timeout, exc.args[0], errors)
-            ) from None
+        while True:
+            try:
+                metadata = consumer.list_topics(topic, timeout=left()).topics[topic]
+            except KafkaException as exc:
+                raise KafkaUnavailableError(
+                    _unreadable(config, topic, timeout, exc.args[0], errors)
+                ) from None
+            if metadata.error is None or metadata.error.code() not in _ELECTING:
+                break
+            if time.monotonic() + 0.2 >= deadline:
+                break
+            time.sleep(0.2)
         if metadata.error is not None:
             if metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise NoCheckpointTopic(
@@ -210,13 +216,11 @@ def committed_checkpoint(
                     "setup-slot --exactly-once creates it"
                 )
             raise KafkaUnavailableError(_unreadable(config, topic, timeout, metadata.error, errors))
+        assigned = []
+        ends = {}
         try:
-            assigned = []
-            ends = {}
             for partition in metadata.partitions:
-                low, high = consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=left()
-                )
+                low, high = _watermarks(consumer, TopicPartition(topic, partition), deadline)
                 if high > low:
                     assigned.append(TopicPartition(topic, partition, low))
                     ends[partition] = high
@@ -236,7 +240,11 @@ def committed_checkpoint(
             error, partition = msg.error(), msg.partition() or 0
             if error is not None:
                 if error.code() == KafkaError._PARTITION_EOF:
-                    ends.pop(partition, None)
+                    # The end as the watermarks gave it; an end met below it is a leader's
+                    # that lags the one asked (leadership moved): the last record is still
+                    # to come.
+                    if (msg.offset() or 0) >= ends.get(partition, 0):
+                        ends.pop(partition, None)
                     continue
                 if error.code() == KafkaError.GROUP_AUTHORIZATION_FAILED:
                     # The client insists on a group, whose coordinator it looks up; the reader
@@ -252,6 +260,45 @@ def committed_checkpoint(
     finally:
         consumer.close()
     return found
+
+
+_NOT_YET = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.OFFSET_NOT_AVAILABLE,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError.UNKNOWN_LEADER_EPOCH,
+        KafkaError._TRANSPORT,
+    }
+)
+"""What a partition's watermarks may be answered while its leader is being elected or moves
+(a topic made a moment ago, a broker restarted): asked again while the deadline leaves time.
+By code: confluent-kafka's errors of this call never say ``retriable()``."""
+
+_ELECTING = frozenset({KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION})
+"""What a topic's metadata may say while its partitions' leaders are being elected: asked
+again while the deadline leaves time."""
+
+
+def _watermarks(consumer: Consumer, partition: TopicPartition, deadline: float) -> tuple[int, int]:
+    """The low and high watermarks (read_committed: the last stable offset) of ``partition``,
+    asked again while Kafka answers with an error in _NOT_YET and the deadline leaves time;
+    KafkaException otherwise."""
+    while True:
+        try:
+            low, high = consumer.get_watermark_offsets(
+                partition, timeout=max(0.1, deadline - time.monotonic())
+            )
+        except KafkaException as exc:
+            err: KafkaError = exc.args[0]
+            waitable = err.code() in _NOT_YET or err.retriable()
+            if not waitable or time.monotonic() + 0.2 >= deadline:
+                raise
+            time.sleep(0.2)
+        else:
+            return low, high
 
 
 def _unreadable(

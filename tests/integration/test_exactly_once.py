@@ -26,6 +26,7 @@ from confluent_kafka.admin import (
     AclPermissionType,
     AdminClient,
     ConfigResource,
+    NewTopic,
     ResourcePatternType,
     ResourceType,
 )
@@ -573,6 +574,23 @@ def test_setup_slot_exactly_once_creates_the_compacted_checkpoint_topic(
         .splitlines()[-1]
         .startswith(f"cdc-relay: error: no Kafka broker answered at 127.0.0.1:{port} within 2s")
     ), gone.stderr
+
+
+def test_a_checkpoint_topic_read_while_it_is_being_made_reads_as_empty(
+    kafka_service: Any, names: Any
+) -> None:
+    """A checkpoint topic read while Kafka makes it (as a relay reads one another relay or
+    setup-slot is making): before its partition has a leader the broker answers the watermarks
+    NOT_LEADER_FOR_PARTITION, which is to be waited out, not reported as a broker that did not
+    answer."""
+    config = {"bootstrap.servers": kafka_service.bootstrap}
+    admin = AdminClient(config)
+    for n in range(10):
+        topic = f"{names.topic_prefix}_fresh_{n}"
+        admin.create_topics([NewTopic(topic, 1, 1)])  # not waited for
+        until = time.monotonic() + 1.5
+        while time.monotonic() < until:
+            assert read_checkpoint(config, topic, f"cdc-relay-{n}", 10) == Checkpoint()
 
 
 # -- brokers that cannot give the relay transactions -------------------------------------------

@@ -8,9 +8,16 @@ import time
 from typing import cast
 
 import pytest
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from cdc_relay.errors import UsageError
-from cdc_relay.kafka.checkpoints import MESSAGE, Checkpoint, Unit, UnreadableCheckpoint
+from cdc_relay.kafka.checkpoints import (
+    MESSAGE,
+    Checkpoint,
+    Unit,
+    UnreadableCheckpoint,
+    _watermarks,
+)
 from cdc_relay.kafka.exactly_once import (
     Committer,
     ExactlyOnce,
@@ -242,3 +249,44 @@ def test_an_interval_within_half_the_transaction_timeout_passes(
     interval: float, config: dict[str, str]
 ) -> None:
     check_interval(config, interval)
+
+
+class LeaderlessPartition:
+    """The consumer's answer to the watermarks of a partition whose leader is being elected:
+    confluent-kafka raises KafkaException(KafkaError(code)) for ``answers`` codes in turn (as
+    its get_watermark_offsets does, never marked retriable), then the watermarks."""
+
+    def __init__(self, *answers: int) -> None:
+        self.answers = list(answers)
+        self.asked = 0
+
+    def get_watermark_offsets(self, partition: object, timeout: float) -> tuple[int, int]:
+        self.asked += 1
+        if self.answers:
+            raise KafkaException(KafkaError(self.answers.pop(0)))
+        return 0, 7
+
+
+def test_the_watermarks_of_a_partition_without_a_leader_yet_are_asked_again() -> None:
+    consumer = LeaderlessPartition(
+        KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE
+    )
+    watermarks = _watermarks(cast(Consumer, consumer), TopicPartition("t", 0), time.monotonic() + 5)
+    assert watermarks == (0, 7)
+    assert consumer.asked == 3
+
+
+def test_a_refusal_of_the_watermarks_is_not_asked_again() -> None:
+    consumer = LeaderlessPartition(KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    with pytest.raises(KafkaException) as raised:
+        _watermarks(cast(Consumer, consumer), TopicPartition("t", 0), time.monotonic() + 5)
+    assert raised.value.args[0].code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    assert consumer.asked == 1
+
+
+def test_a_partition_still_without_a_leader_at_the_deadline_is_an_error() -> None:
+    consumer = LeaderlessPartition(*[KafkaError.NOT_LEADER_FOR_PARTITION] * 100)
+    started = time.monotonic()
+    with pytest.raises(KafkaException):
+        _watermarks(cast(Consumer, consumer), TopicPartition("t", 0), started + 0.5)
+    assert time.monotonic() - started < 1.0
