@@ -127,6 +127,8 @@ def _shown(key: str, value: Any) -> Any:
         ]
     if isinstance(value, tuple | list):
         return [_shown(key, item) for item in value]
+    if isinstance(value, dict):  # --topic-config, --topic-partitions-for: KEY=VALUE, as given
+        return [f"{name}={_shown(key, item)}" for name, item in value.items()]
     if isinstance(value, timedelta):
         return f"{value.total_seconds():g}s"
     if isinstance(value, datetime):

@@ -404,6 +404,22 @@ def test_config_show_of_a_command_in_a_group_and_a_required_option_unset(tmp_pat
     assert show("dead-letters.list", "--config", str(path)) == output
 
 
+def test_config_show_writes_key_value_options_as_they_are_given(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "create-topics = true\n"
+        'topic-config = ["retention.ms=604800000", "compression.type=zstd"]\n'
+        '[stream]\ntopic-partitions-for = ["outbox.event.payment=3"]\n',
+    )
+    lines = {line.split()[0]: line for line in show("--config", str(path)).splitlines()[1:]}
+    assert lines["topic-config"].split()[1:3] == ["retention.ms=604800000", "compression.type=zstd"]
+    assert lines["topic-partitions-for"].split()[1] == "outbox.event.payment=3"
+    settings = json.loads(show("setup-slot", "--config", str(path), "--json"))["settings"]
+    assert settings["topic-config"]["value"] == ["retention.ms=604800000", "compression.type=zstd"]
+    assert settings["topic-partitions-for"] == {"value": [], "source": "default"}
+    assert show("setup-slot", "--config", str(path)).count("topic-partitions-for        - ") == 1
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
