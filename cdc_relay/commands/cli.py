@@ -22,11 +22,14 @@ from cdc_relay.commands.setup_slot import setup_slot
 from cdc_relay.commands.status import status_command
 from cdc_relay.commands.stream import stream
 from cdc_relay.commands.trace import trace_command
+from cdc_relay.compiled import build
 from cdc_relay.errors import RelayError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="cdc-relay")
+@click.version_option(
+    __version__, prog_name="cdc-relay", message=f"%(prog)s, version %(version)s, {build()}"
+)
 @click.pass_context
 def cli(ctx: click.Context) -> None:
     """Relay transactional-outbox events from PostgreSQL to Kafka.

@@ -43,7 +43,7 @@ class OutboxRow:
 
     id: str
     aggregate_type: str
-    aggregate_id: str
+    aggregate_id: str | None  # NULL where the table allows it: an event without a key
     event_type: str
     payload: bytes | None
     payload_type: int  # pg_type oid of the payload column when the row was read
@@ -56,7 +56,7 @@ class OutboxRow:
     trace: str | None = None  # the --trace-column's text (None: no such column, or NULL)
 
     @property
-    def aggregate(self) -> tuple[str, str]:
+    def aggregate(self) -> tuple[str, str | None]:
         return self.aggregate_type, self.aggregate_id
 
     def event(self) -> OutboxEvent:

@@ -62,7 +62,7 @@ class Batch:
         self._unreported: set[int] = set()  # published among others, no report yet
         self._batch = 0  # the current batch's number, in its tokens
         self._rows: Sequence[OutboxRow] = ()
-        self._failed_aggregates: set[tuple[str, str]] = set()  # aggregates with a failed row
+        self._failed_aggregates: set[tuple[str, str | None]] = set()  # aggregates with a failed row
         self.pipeline = Pipeline(router, open_sink, self, self, tick=tick, give_up=give_up)
         self.sink = self.pipeline.sink
 

@@ -104,7 +104,7 @@ def test_the_installed_wheel_runs_its_console_script_and_schema_show(
     version = next(dist.glob("cdc_relay-*.whl")).name.split("-")[1]
     shown = _run(installed, "--version")
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.strip() == f"cdc-relay, version {version}"
+    assert shown.stdout.strip() == f"cdc-relay, version {version}, pure Python"
     # The package's own copy of the schema, read from the wheel's package data.
     schema = _run(installed, "schema", "show", "outbox")
     assert schema.returncode == 0, schema.stderr
