@@ -407,6 +407,13 @@ def envelope_event(message: LogicalMessage, begin: Begin | None) -> OutboxEvent:
             return None
         if not isinstance(value, str | _Number):
             raise SchemaError(f"logical outbox message at {message.lsn:X} lacks a string {field!r}")
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate escape: no text Kafka's headers can hold
+            raise SchemaError(
+                f"logical outbox message at {message.lsn:X} has a {field!r} that is not valid "
+                "Unicode; write it with outbox_emit() (cdc-relay schema outbox)"
+            ) from None
         return str(value)
 
     # Version 2 (outbox_emit() of cdc-relay schema outbox) leaves the payload out when it is
@@ -449,25 +456,46 @@ class _Number(str):
 
 def jsonb_text(value: object) -> str:
     """``value`` as PostgreSQL's jsonb output writes it: keys by length then bytes, ", " and
-    ": " separators, non-ASCII kept, numbers as written."""
-    if isinstance(value, _Number):
-        return str(value)
-    if isinstance(value, str):
-        return _json_string(value)
-    if value is None:
-        return "null"
-    if value is True:
-        return "true"
-    if value is False:
-        return "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(jsonb_text(v) for v in value) + "]"
-    if isinstance(value, dict):
-        keys = sorted(value, key=_key_order)
-        return "{" + ", ".join(f"{_json_string(k)}: {jsonb_text(value[k])}" for k in keys) + "}"
-    raise SchemaError(f"unexpected JSON value {value!r}")
+    ": " separators, non-ASCII kept, numbers as written. Without recursion, so a payload
+    nested as deep as json.loads reads one is written too (and alike by the compiled build,
+    whose calls count no recursion depth)."""
+    out: list[str] = []
+    # What is left to write, last first: JSON values, and text to write as it is (a 1-tuple,
+    # which no JSON value is).
+    pending: list[object] = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, tuple):
+            out.append(item[0])
+        elif isinstance(item, _Number):
+            out.append(str(item))
+        elif isinstance(item, str):
+            out.append(_json_string(item))
+        elif item is None:
+            out.append("null")
+        elif item is True:
+            out.append("true")
+        elif item is False:
+            out.append("false")
+        elif isinstance(item, int | float):
+            out.append(repr(item))
+        elif isinstance(item, list):
+            pending.append(("]",))
+            for index in range(len(item) - 1, -1, -1):
+                pending.append(item[index])
+                if index:
+                    pending.append((", ",))
+            pending.append(("[",))
+        elif isinstance(item, dict):
+            pending.append(("}",))
+            keys = sorted(item, key=_key_order)
+            for index in range(len(keys) - 1, -1, -1):
+                pending.append(item[keys[index]])
+                pending.append((f"{', ' if index else ''}{_json_string(keys[index])}: ",))
+            pending.append(("{",))
+        else:
+            raise SchemaError(f"unexpected JSON value {item!r}")
+    return "".join(out)
 
 
 _ESCAPES = {

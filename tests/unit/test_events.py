@@ -126,3 +126,26 @@ def test_envelope_with_a_lone_surrogate_is_a_schema_error_not_a_crash() -> None:
     )
     with pytest.raises(SchemaError, match="not valid Unicode"):
         envelope_event(LogicalMessage(True, 1, "outbox", content), BEGIN)
+
+
+@pytest.mark.parametrize("field", ["id", "aggregate_type", "aggregate_id", "event_type"])
+def test_an_envelope_field_with_a_lone_surrogate_is_a_schema_error_not_a_crash(
+    field: str,
+) -> None:
+    envelope = {"id": "1", "aggregate_type": "a", "aggregate_id": "b", "event_type": "e"}
+    content = json.dumps({**envelope, field: "\ud800", "payload": {}}).encode()
+    with pytest.raises(SchemaError, match=f"has a '{field}' that is not valid Unicode"):
+        envelope_event(LogicalMessage(True, 1, "outbox", content), BEGIN)
+
+
+def test_a_payload_nested_as_deep_as_json_reads_is_written_whole() -> None:
+    # json.loads reads about 990 levels; jsonb_text wrote about 330 before it ran out of
+    # Python's recursion (pure build) and any depth compiled: both now write what was read.
+    depth = 900
+    payload = '{"a": ' * depth + "[1, []]" + "}" * depth
+    content = (
+        json.dumps({"id": "1", "aggregate_type": "a", "aggregate_id": "b", "event_type": "e"})[:-1]
+        + f', "payload": {payload}}}'
+    )
+    event = envelope_event(LogicalMessage(True, 1, "outbox", content.encode()), BEGIN)
+    assert event.payload == payload.encode()
