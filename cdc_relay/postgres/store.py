@@ -24,7 +24,7 @@ from psycopg import pq, sql
 from psycopg.rows import class_row, dict_row
 
 from cdc_relay.errors import PreflightError, RelayError
-from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, payload_kind
+from cdc_relay.events import TIMESTAMP_OIDS, OutboxEvent, PayloadKind, SchemaError, payload_kind
 from cdc_relay.postgres.tables import OutboxTable, find_table
 from cdc_relay.queries import QUERIES
 from cdc_relay.tracecontext import parse as parse_trace
@@ -42,9 +42,11 @@ class OutboxRow:
     """An unprocessed row, as the claim reads it."""
 
     id: str
-    aggregate_type: str
-    aggregate_id: str | None  # NULL where the table allows it: an event without a key
-    event_type: str
+    # NULL where the user's table allows it: an aggregate id makes an event without a key,
+    # a type a row that cannot be routed (event() refuses it)
+    aggregate_type: str | None
+    aggregate_id: str | None
+    event_type: str | None
     payload: bytes | None
     payload_type: int  # pg_type oid of the payload column when the row was read
     attempts: int
@@ -56,15 +58,23 @@ class OutboxRow:
     trace: str | None = None  # the --trace-column's text (None: no such column, or NULL)
 
     @property
-    def aggregate(self) -> tuple[str, str | None]:
+    def aggregate(self) -> tuple[str | None, str | None]:
         return self.aggregate_type, self.aggregate_id
 
     def event(self) -> OutboxEvent:
+        """The row as an event; SchemaError if its aggregate_type or event_type is NULL."""
+        aggregate_type, event_type = self.aggregate_type, self.event_type
+        if aggregate_type is None or event_type is None:
+            column = "aggregate_type" if aggregate_type is None else "event_type"
+            raise SchemaError(
+                f"row {self.id}: its {column} is NULL, and an event needs one to be routed; "
+                f"give the row a {column}, then cdc-relay dead-letters retry --id {self.id}"
+            )
         return OutboxEvent(
             id=self.id,
-            aggregate_type=self.aggregate_type,
+            aggregate_type=aggregate_type,
             aggregate_id=self.aggregate_id,
-            event_type=self.event_type,
+            event_type=event_type,
             payload=self.payload,
             commit_lsn=0,
             xid=0,

@@ -62,7 +62,8 @@ class Batch:
         self._unreported: set[int] = set()  # published among others, no report yet
         self._batch = 0  # the current batch's number, in its tokens
         self._rows: Sequence[OutboxRow] = ()
-        self._failed_aggregates: set[tuple[str, str | None]] = set()  # aggregates with a failed row
+        # the aggregates with a failed row (a type or an id may be NULL in a user's table)
+        self._failed_aggregates: set[tuple[str | None, str | None]] = set()
         self.pipeline = Pipeline(router, open_sink, self, self, tick=tick, give_up=give_up)
         self.sink = self.pipeline.sink
 
@@ -87,7 +88,12 @@ class Batch:
                 alone = row.attempts > 0  # its report is the pipeline's, before it goes on
                 if not alone:
                     self._unreported.add(index)
-                pipeline.publish(row.event(), (self._batch, index), alone)
+                try:
+                    event = row.event()
+                except RelayError as exc:  # no type to route it by: the row's own fault
+                    self.unroutable((self._batch, index), exc)
+                    continue
+                pipeline.publish(event, (self._batch, index), alone)
             pipeline.settle()
         except Stopping:
             return False

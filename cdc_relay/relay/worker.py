@@ -336,7 +336,7 @@ class Worker:
         )
         self.counts.failed += len(failed)
         for row in failed:
-            count_failed("poll", row.event_type)
+            count_failed("poll", "(other)" if row.event_type is None else row.event_type)
         for row, delay, error, its_own in zip(
             failed, delays, batch.failures.values(), own, strict=True
         ):

@@ -971,3 +971,58 @@ def test_a_failed_row_waits_its_backoff_from_the_failure_not_from_the_claim(
         poller_db, "SELECT retry_after > clock_timestamp() FROM outbox_events WHERE id = %s", row.id
     )
     assert waits, "the row is due again at once"
+
+
+def test_a_row_whose_event_type_is_null_is_a_dead_letter_and_every_other_row_goes(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
+) -> None:
+    # A table of the user's that lets event_type be NULL: the row cannot be routed, which is
+    # the row's own fault (a dead letter naming the column), never a crash on every restart.
+    column = "event_type"
+    with psycopg.connect(poller_db, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER TABLE outbox_events ALTER COLUMN {} DROP NOT NULL").format(
+                sql.Identifier(column)
+            )
+        )
+    writer = Writer(poller_db)
+    good = writer.transaction([("order", "o1", {"i": 0}), ("order", "o2", {"i": 1})])
+    with psycopg.connect(poller_db, autocommit=True) as conn:
+        ((bad,),) = conn.execute(
+            "INSERT INTO outbox_events (aggregate_type, aggregate_id, event_type, payload) "
+            "VALUES ('order', 'o1', 'order.changed', '{}') RETURNING id::text"
+        ).fetchall()
+        conn.execute(
+            sql.SQL("UPDATE outbox_events SET {} = NULL WHERE id = %s").format(
+                sql.Identifier(column)
+            ),
+            (bad,),
+        )
+    good += writer.transaction([("order", "o1", {"i": 2}), ("order", "o2", {"i": 3})])
+    writer.close()
+    relay = poller(tmp_path, poller_db, kafka_service, names, max_attempts="1")
+    relay.start()
+    try:
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(good))
+        wait_until(
+            lambda: (
+                rows(
+                    poller_db,
+                    "SELECT count(*) FROM outbox_events WHERE processed_at IS NULL "
+                    "AND retry_after IS DISTINCT FROM 'infinity'",
+                )
+                == [(0,)]
+            ),
+            60,
+            "every row published or dead",
+        )
+        assert relay.alive(), relay.log()[-3000:]
+    finally:
+        relay.stop()
+    assert sorted(r.id for r in received) == sorted(w.id for w in good)
+    ((dead, error),) = rows(
+        poller_db, "SELECT id::text, last_error FROM outbox_events WHERE retry_after = 'infinity'"
+    )
+    assert dead == bad
+    assert f"{column} is NULL" in error, error
+    assert "Traceback" not in relay.log()
