@@ -38,7 +38,7 @@ def dead_letters_list(dsn: str, table: str, as_json: bool, limit: int) -> None:
             str(row["attempts"]),
             row["created_at"].strftime("%Y-%m-%d %H:%M:%S"),
             f"{row['aggregate_type']}/{row['aggregate_id']}",
-            row["event_type"],
+            row["event_type"] or "-",  # NULL where the table allows it (its last error says)
             row["last_error"] or "",
         )
         for row in rows

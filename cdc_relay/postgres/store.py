@@ -42,8 +42,9 @@ class OutboxRow:
     """An unprocessed row, as the claim reads it."""
 
     id: str
-    # NULL where the user's table allows it: an aggregate id makes an event without a key,
-    # a type a row that cannot be routed (event() refuses it)
+    # NULL where the user's table allows it: an aggregate id makes an event without a key, an
+    # event_type a row that cannot be routed (event() refuses it; a NULL aggregate_type has no
+    # lock key, and the claim never takes the row)
     aggregate_type: str | None
     aggregate_id: str | None
     event_type: str | None
@@ -68,7 +69,7 @@ class OutboxRow:
             column = "aggregate_type" if aggregate_type is None else "event_type"
             raise SchemaError(
                 f"row {self.id}: its {column} is NULL, and an event needs one to be routed; "
-                f"give the row a {column}, then cdc-relay dead-letters retry --id {self.id}"
+                f"give the row an {column}, then cdc-relay dead-letters retry --id {self.id}"
             )
         return OutboxEvent(
             id=self.id,

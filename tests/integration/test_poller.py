@@ -1026,3 +1026,7 @@ def test_a_row_whose_event_type_is_null_is_a_dead_letter_and_every_other_row_goe
     assert dead == bad
     assert f"{column} is NULL" in error, error
     assert "Traceback" not in relay.log()
+    listed = cli("dead-letters", "list", "--dsn", poller_db)
+    assert listed.returncode == 0, listed.stderr
+    ((line,),) = [listed.stdout.splitlines()[1:]]
+    assert line.split()[:2] == [bad, "1"] and "event_type is NULL" in line, line
