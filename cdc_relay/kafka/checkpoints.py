@@ -206,9 +206,8 @@ def committed_checkpoint(
                 ) from None
             if metadata.error is None or metadata.error.code() not in _ELECTING:
                 break
-            if time.monotonic() + 0.2 >= deadline:
+            if not _paused(deadline):
                 break
-            time.sleep(0.2)
         if metadata.error is not None:
             if metadata.error.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                 raise NoCheckpointTopic(
@@ -294,11 +293,19 @@ def _watermarks(consumer: Consumer, partition: TopicPartition, deadline: float) 
         except KafkaException as exc:
             err: KafkaError = exc.args[0]
             waitable = err.code() in _NOT_YET or err.retriable()
-            if not waitable or time.monotonic() + 0.2 >= deadline:
+            if not waitable or not _paused(deadline):
                 raise
-            time.sleep(0.2)
         else:
             return low, high
+
+
+def _paused(deadline: float, pause: float = 0.2) -> bool:
+    """Wait ``pause`` seconds before asking Kafka again, if the deadline leaves time for it;
+    False (no wait) if it does not."""
+    if time.monotonic() + pause >= deadline:
+        return False
+    time.sleep(pause)
+    return True
 
 
 def _unreadable(
