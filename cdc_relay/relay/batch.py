@@ -158,7 +158,8 @@ class Batch:
         for index in sorted(self._unreported):
             self._fail(
                 (self._batch, index),
-                "not sent: the producer stopped after Kafka refused a batch",
+                "no report: the producer stopped after Kafka refused a batch (if Kafka "
+                "wrote it, it goes out twice)",
                 own=False,
             )
         self._batch += 1

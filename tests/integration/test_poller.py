@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +266,12 @@ def test_a_row_kafka_refuses_becomes_a_dead_letter_and_a_retried_one_is_delivere
         verdict = check(writer.written, received, names.topic_prefix)
         print(verdict)
         assert verdict.lost == [big.id]  # every other row went past the poison row
-        assert verdict.duplicates == 0
+        # Only a row the refused producer held without a report may be on Kafka twice: it
+        # may have been written in a request of another partition before the producer
+        # stopped, and is tried again (at least once). Any other is published once.
+        unknown = set(re.findall(r"event (\S+) failed with other rows.*no report", relay.log()))
+        twice = {id for id, n in Counter(r.id for r in received).items() if n > 1}
+        assert twice <= unknown, (twice, unknown)
         assert verdict.mismatched == []
 
         listed = cli("dead-letters", "list", "--dsn", poller_db)
