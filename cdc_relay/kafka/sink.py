@@ -432,6 +432,9 @@ class KafkaSink:
 
     def close(self) -> int:
         """Close the producer; return how many messages were still unacknowledged."""
+        # The client's queue holds its events too (a statistics report every 5 s that no one
+        # served while the relay idled): served first, so that only messages are counted.
+        self._producer.poll(0)
         left = len(self._producer)
         self._producer.purge()
         self._producer.flush(0)

@@ -481,6 +481,41 @@ def consume(
     return received
 
 
+def find_on_kafka(bootstrap: str, topic_prefix: str, ids: Iterable[str]) -> dict[str, Any]:
+    """Where Kafka holds each of ``ids`` (topic, partition, offset), read partition by partition
+    up to its high watermark; and each partition's watermarks. A diagnosis of a test that
+    missed events: whether Kafka has them."""
+    wanted = set(ids)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"find-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+        }
+    )
+    found: dict[str, Any] = {}
+    try:
+        pattern = re.compile(f"^{re.escape(topic_prefix)}[.].*")
+        for tp in _new_partitions(consumer, pattern, set()):
+            low, high = consumer.get_watermark_offsets(tp, timeout=10)
+            found[f"{tp.topic}[{tp.partition}]"] = (low, high)
+            if high <= low:
+                continue
+            consumer.assign([TopicPartition(tp.topic, tp.partition, low)])
+            while True:
+                msg = consumer.poll(5)
+                if msg is None or msg.error():
+                    break
+                event = dict(msg.headers() or ()).get("id", b"").decode()
+                if event in wanted:
+                    found[event] = (msg.topic(), msg.partition(), msg.offset())
+                if msg.offset() >= high - 1:
+                    break
+    finally:
+        consumer.close()
+    return found
+
+
 def _new_partitions(
     consumer: Consumer, pattern: re.Pattern[str], assigned: set[tuple[str, int]]
 ) -> list[TopicPartition]:

@@ -29,6 +29,7 @@ from relaytools import (
     Writer,
     check,
     consume,
+    find_on_kafka,
     handover,
     install_poller,
     relay_env,
@@ -351,7 +352,10 @@ def test_several_pollers_at_once_publish_every_row_once(
         int(re.findall(r"progress: (\d+) events published", relay.log())[-1]) for relay in relays
     ]
     print(verdict, "published per poller:", published)
-    assert verdict.lost == [], lost_rows(poller_db, verdict.lost)
+    assert verdict.lost == [], (
+        lost_rows(poller_db, verdict.lost),
+        find_on_kafka(kafka_service.bootstrap, names.topic_prefix, verdict.lost),
+    )
     assert verdict.mismatched == []
     assert verdict.duplicates == 0
     assert verdict.out_of_order == []  # one poller at a time publishes an aggregate
@@ -410,7 +414,10 @@ def test_a_poller_whose_host_vanishes_mid_claim_is_not_overtaken_by_its_replacem
         vanishing.close()
     verdict = check(written, received, names.topic_prefix)
     print(verdict, "claim holders frozen:", held)
-    assert verdict.lost == [], lost_rows(poller_db, verdict.lost)
+    assert verdict.lost == [], (
+        lost_rows(poller_db, verdict.lost),
+        find_on_kafka(kafka_service.bootstrap, names.topic_prefix, verdict.lost),
+    )
     assert verdict.mismatched == []
     assert verdict.out_of_order == []
     assert verdict.duplicates <= 100  # at most the frozen claim, published twice
@@ -1035,3 +1042,21 @@ def test_a_row_whose_event_type_is_null_is_a_dead_letter_and_every_other_row_goe
     assert listed.returncode == 0, listed.stderr
     ((line,),) = [listed.stdout.splitlines()[1:]]
     assert line.split()[:2] == [bad, "1"] and "event_type is NULL" in line, line
+
+
+def test_an_idle_poller_stopped_says_no_message_was_waiting_for_kafka(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
+) -> None:
+    relay = poller(tmp_path, poller_db, kafka_service, names, workers="2").start()
+    try:
+        writer = Writer(poller_db)
+        writer.transaction([("order", "o-1", {"n": 1})])
+        writer.close()
+        wait_until(lambda: unprocessed(poller_db) == 0, 30, "the row to be published")
+        # Idle past two of the client's statistics reports (every 5 s), which its queue holds
+        # until served: they are not messages waiting for Kafka.
+        time.sleep(11)
+        assert relay.stop() == 0
+    finally:
+        relay.close()
+    assert "stopped; 0 messages were still waiting for Kafka" in relay.log(), relay.log()
