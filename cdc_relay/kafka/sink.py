@@ -48,13 +48,26 @@ REQUIRED = {
     # Retriable failures (broker down) are retried until the broker is back: the relay waits,
     # it does not give up on an event, which could then be overtaken by a later one.
     "message.timeout.ms": ("0",),
+    # One produce request in flight per broker. With more, a batch the broker refused as not
+    # its leader's (a partition just made, a leader moving) is taken for written when the
+    # next batch of its partition, sent meanwhile, is accepted (librdkafka's "implicitly acked
+    # by subsequent batch success"): its events are reported delivered and Kafka never had
+    # them (tests/integration/test_poller.py, several pollers after a broker restart).
+    "max.in.flight.requests.per.connection": ("1",),
 }
-_ALIASES = {"request.required.acks": "acks", "delivery.timeout.ms": "message.timeout.ms"}
+_ALIASES = {
+    "request.required.acks": "acks",
+    "delivery.timeout.ms": "message.timeout.ms",
+    "max.in.flight": "max.in.flight.requests.per.connection",
+}
 _REMEDIES = {
     "partitioner": "another partitioner puts a key elsewhere than Java clients and Debezium do",
     "message.timeout.ms": "a timeout lets the producer give up on an event while the broker is "
     "away, and a later event of its key can overtake it; the relay waits for the broker and "
     "says so in its readiness",
+    "max.in.flight.requests.per.connection": "with more than one request in flight, a batch "
+    "refused while a partition's leader changes can be reported delivered when the next one "
+    "is accepted, and Kafka never has its events",
 }
 # Settings that belong to modes the relay does not run in.
 FORBIDDEN = {

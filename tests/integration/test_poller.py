@@ -325,6 +325,11 @@ def test_a_row_kafka_refuses_becomes_a_dead_letter_and_a_retried_one_is_delivere
 def test_several_pollers_at_once_publish_every_row_once(
     tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
 ) -> None:
+    # A broker just started, and topics made by the first events: partitions whose leader is
+    # not ready yet refuse a first batch while accepting the next (sink.REQUIRED, one request
+    # in flight: with five, a row was now and then marked processed that Kafka never had).
+    kafka_service.stop()
+    kafka_service.start()
     relays = [
         poller(
             tmp_path,
@@ -352,10 +357,10 @@ def test_several_pollers_at_once_publish_every_row_once(
         int(re.findall(r"progress: (\d+) events published", relay.log())[-1]) for relay in relays
     ]
     print(verdict, "published per poller:", published)
-    assert verdict.lost == [], (
-        lost_rows(poller_db, verdict.lost),
-        find_on_kafka(kafka_service.bootstrap, names.topic_prefix, verdict.lost),
-    )
+    if verdict.lost:
+        print("lost rows:", lost_rows(poller_db, verdict.lost))
+        print("on Kafka:", find_on_kafka(kafka_service.bootstrap, names.topic_prefix, verdict.lost))
+    assert verdict.lost == []
     assert verdict.mismatched == []
     assert verdict.duplicates == 0
     assert verdict.out_of_order == []  # one poller at a time publishes an aggregate
@@ -414,10 +419,10 @@ def test_a_poller_whose_host_vanishes_mid_claim_is_not_overtaken_by_its_replacem
         vanishing.close()
     verdict = check(written, received, names.topic_prefix)
     print(verdict, "claim holders frozen:", held)
-    assert verdict.lost == [], (
-        lost_rows(poller_db, verdict.lost),
-        find_on_kafka(kafka_service.bootstrap, names.topic_prefix, verdict.lost),
-    )
+    if verdict.lost:
+        print("lost rows:", lost_rows(poller_db, verdict.lost))
+        print("on Kafka:", find_on_kafka(kafka_service.bootstrap, names.topic_prefix, verdict.lost))
+    assert verdict.lost == []
     assert verdict.mismatched == []
     assert verdict.out_of_order == []
     assert verdict.duplicates <= 100  # at most the frozen claim, published twice

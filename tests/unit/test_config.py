@@ -42,6 +42,18 @@ def test_producer_config_keeps_the_guarantees() -> None:
         producer_config("k:9092", {"enable.idempotence": "false"})
 
 
+@pytest.mark.parametrize("key", ["max.in.flight.requests.per.connection", "max.in.flight"])
+def test_one_produce_request_is_in_flight_and_a_user_may_not_send_more(key: str) -> None:
+    # With five in flight (librdkafka's default), a batch the broker refused as not the new
+    # partition's leader was reported delivered once the next batch was accepted: a poller
+    # marked the row processed and Kafka never had it (test_poller.py, after a broker restart).
+    assert producer_config("k:9092", {})["max.in.flight.requests.per.connection"] == "1"
+    assert producer_config("k:9092", {key: "1"})["max.in.flight.requests.per.connection"] == "1"
+    with pytest.raises(UsageError, match="reported delivered") as refused:
+        producer_config("k:9092", {key: "5"})
+    assert "max.in.flight.requests.per.connection=1: remove the setting" in str(refused.value)
+
+
 def test_kafka_sasl_password_from_the_environment(tmp_path: Path) -> None:
     props = tmp_path / "client.properties"
     props.write_text("sasl.username=relay\nsasl.password=from-file\n")
