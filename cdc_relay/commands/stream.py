@@ -105,7 +105,8 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Sha
     type=Seconds(0.001, 60),
     default=0.1,
     show_default=True,
-    help="Seconds a Kafka transaction of --exactly-once stays open at most.",
+    help="Seconds a Kafka transaction of --exactly-once stays open at most; a quarter of it "
+    "once the relay has read all the server sent.",
 )
 @env_option(
     "--standby",

@@ -55,6 +55,14 @@ class ExactlyOnce:
     interval: float = 0.1  # seconds a Kafka transaction stays open at most
     max_events: int = 10_000  # events in one Kafka transaction at most
 
+    @property
+    def idle_after(self) -> float:
+        """Seconds a Kafka transaction stays open at least once the relay has read all the
+        server sent: a quarter of ``interval``. Committing at once would make a commit of
+        every few events at a moderate rate, each a round of requests to the broker; waiting
+        the whole interval would only add to the events' latency."""
+        return self.interval / 4
+
 
 def check_interval(config: Mapping[str, str], interval: float) -> None:
     """Refuse a ``--transaction-interval`` that Kafka's transaction timeout cuts short: the
@@ -197,16 +205,20 @@ class Committer:
             return Checkpoint(self._last_full, self._unit, self._unit_events, self.timeline)
         return Checkpoint(self._last_full, timeline=self.timeline)
 
-    def due(self, force: bool = False) -> bool:
+    def due(self, force: bool = False, idle: bool = False) -> bool:
         """Whether to commit now: events are open and the transaction is old or large
-        enough (or ``force``)."""
+        enough (or ``force``); ``idle`` (the relay has read all the server sent): old enough
+        for that (ExactlyOnce.idle_after)."""
         sink = self.sink
         if not sink.events:
             return False
+        eos = self.eos
+        age = time.monotonic() - sink.opened
         return (
             force
-            or sink.events >= self.eos.max_events
-            or time.monotonic() - sink.opened >= self.eos.interval
+            or sink.events >= eos.max_events
+            or age >= eos.interval
+            or (idle and age >= eos.idle_after)
         )
 
     def commit(self) -> None:

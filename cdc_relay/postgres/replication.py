@@ -74,6 +74,7 @@ class ReplicationConnection:
 
     def __init__(self, dsn: str, application_name: str = "cdc-relay") -> None:
         conninfo = make_conninfo(dsn, replication="database", application_name=application_name)
+        self.caught_up = False  # the last read found nothing waiting (stages.Source)
         self._conn = pq.PGconn.connect(conninfo.encode())
         if self._conn.status != pq.ConnStatus.OK:
             message = _error_text(self._conn)
@@ -193,9 +194,13 @@ class ReplicationConnection:
         """The next message from the server, or None if none came within ``timeout`` seconds."""
         conn = self._conn
         nbytes, data = conn.get_copy_data(1)
-        if nbytes == 0:
+        self.caught_up = False
+        if nbytes == 0:  # nothing whole in libpq's buffer: is more on the socket already?
             try:
-                readable, _, _ = select.select([conn.socket], [], [], timeout)
+                readable, _, _ = select.select([conn.socket], [], [], 0)
+                if not readable:
+                    self.caught_up = True  # the relay read all the server sent so far
+                    readable, _, _ = select.select([conn.socket], [], [], timeout)
             except (OSError, ValueError) as exc:
                 raise ConnectionLost(f"replication connection failed: {exc}") from None
             if not readable:

@@ -147,11 +147,19 @@ class KafkaTransactions:
         checkpoint held is trusted on it as at start, the slot there at ``confirmed``."""
         self.trust(self.eos.committed, confirmed)
 
-    def commit(self, force: bool = False, stopping: bool = False) -> None:
-        """Commit when the transaction is old or large enough (or ``force``); ``stopping``:
-        in the graceful stop, where a refusal no longer rewinds."""
+    def read_timeout(self, longest: float) -> float:
+        """How long a read of the stream may wait for the server, at most ``longest``: while
+        a Kafka transaction is open, no longer than it may stay open once the stream idles."""
         eos = self.eos
-        if not eos.due(force):
+        return min(longest, eos.eos.idle_after) if eos.sink.events else longest
+
+    def commit(self, force: bool = False, stopping: bool = False, idle: bool = False) -> None:
+        """Commit when the transaction is old or large enough (or ``force``), or, ``idle``
+        (the relay has read all the server sent), old enough that waiting for more would only
+        add to its events' latency (exactly_once.Committer.due); ``stopping``: in the
+        graceful stop, where a refusal no longer rewinds."""
+        eos = self.eos
+        if not eos.due(force, idle):
             return
         if stopping:
             # No rewind while stopping: a refusal reported by now keeps the transaction from

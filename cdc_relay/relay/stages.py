@@ -79,6 +79,11 @@ class Source(Protocol):
     def read(self, timeout: float) -> XLogData | Keepalive | None:
         """The next message, or None if none came within ``timeout`` seconds."""
 
+    @property
+    def caught_up(self) -> bool:
+        """The last ``read`` found nothing waiting, neither whole in the client's buffer nor on
+        the socket: the relay had read all the server sent, and waited for more."""
+
     def send_status(self, written: Lsn, flushed: Lsn) -> None:
         """Standby status update: ``flushed`` becomes the slot's confirmed position."""
 

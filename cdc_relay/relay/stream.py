@@ -179,6 +179,7 @@ class StreamRelay:
         self._shutting_down = False  # in the graceful stop: a refusal no longer rewinds
         self._received: Lsn = 0
         self._acks = 0  # acknowledgements not yet added to the published counter
+        self._caught_up = False  # at the loop's last tick: the relay had read all that came
         # Ids of the events sent and not acknowledged, for the stop line: the tracker forgets
         # them on a rewind, and the producer once Kafka refused them.
         self._unacknowledged: set[str] = set()
@@ -333,8 +334,12 @@ class StreamRelay:
         # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
         # nor the status interval.
         next_tick = 0.0
+        transactions = self._transactions
+        timeout = _READ_TIMEOUT
         while not self._stop:
-            message = conn.read(_READ_TIMEOUT)
+            if transactions is not None:  # exactly once: as long as a transaction may wait
+                timeout = transactions.read_timeout(_READ_TIMEOUT)
+            message = conn.read(timeout)
             if message is None or isinstance(message, Keepalive):
                 next_tick = 0.0
                 if message is not None:
@@ -358,15 +363,17 @@ class StreamRelay:
                 if time.monotonic() < next_tick:
                     continue
             serve(0)
+            self._caught_up = conn.caught_up
             self._send_status()
             if self._watcher is not None and self._watcher.problem is not None:
                 raise RelayError(self._watcher.problem)
             next_tick = time.monotonic() + _TICK
 
     def _maybe_commit(self) -> None:
-        """Exactly once: commit when the transaction is old or large enough."""
+        """Exactly once: commit when the transaction is old or large enough, or old enough
+        and the relay has read all the server sent (kafka_transactions.py)."""
         if self._transactions is not None:
-            self._transactions.commit(stopping=self._shutting_down)
+            self._transactions.commit(stopping=self._shutting_down, idle=self._caught_up)
 
     def _commit_now(self) -> None:
         """Exactly once: commit what was produced now: an event sent alone is alone in its

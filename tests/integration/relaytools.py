@@ -513,6 +513,7 @@ def find_on_kafka(bootstrap: str, topic_prefix: str, ids: Iterable[str]) -> dict
                     break
     finally:
         consumer.close()
+    found["messages"] = sum(v[1] - v[0] for key, v in found.items() if "[" in key)
     return found
 
 

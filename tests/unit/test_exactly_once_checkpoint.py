@@ -290,3 +290,32 @@ def test_a_partition_still_without_a_leader_at_the_deadline_is_an_error() -> Non
     with pytest.raises(KafkaException):
         _watermarks(cast(Consumer, consumer), TopicPartition("t", 0), started + 0.5)
     assert time.monotonic() - started < 1.0
+
+
+class OpenTransaction:
+    """The exactly-once sink as Committer.due reads it: events open since ``opened``."""
+
+    def __init__(self, events: int, age: float) -> None:
+        self.events = events
+        self.opened = time.monotonic() - age
+
+
+@pytest.mark.parametrize(
+    ("events", "age", "idle", "due"),
+    [
+        (0, 100.0, True, False),  # nothing open: nothing to commit
+        (5, 1.0, False, False),  # young, and more is coming
+        (5, 1.0, True, False),  # young: a commit every few events would load the broker
+        (5, 4.0, False, False),  # the stream is busy: more events may join it
+        (5, 4.0, True, True),  # idle past a quarter of the interval: waiting adds latency
+        (5, 11.0, False, True),  # past the interval
+        (10, 0.0, False, True),  # max_events
+    ],
+)
+def test_a_transaction_commits_past_its_interval_or_a_quarter_of_it_once_the_stream_idles(
+    events: int, age: float, idle: bool, due: bool
+) -> None:
+    eos = ExactlyOnce("test", interval=10.0, max_events=10)
+    committer = Committer(eos, cast(Transactions, OpenTransaction(events, age)))
+    assert committer.due(idle=idle) is due
+    assert committer.due(force=True) is (events > 0)

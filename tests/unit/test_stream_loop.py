@@ -193,6 +193,7 @@ class Connection:
     def __init__(self, wal: Wal) -> None:
         self.wal = wal
         self.queue: deque[XLogData | Keepalive | None] = deque()  # None: nothing for a moment
+        self.caught_up = False  # nothing waited behind what the last read returned
         self.closed = False
         self.terminated = False  # the server ended it (another relay took the slot over)
         self.lose_after: int | None = None
@@ -275,6 +276,7 @@ class Connection:
             self.lose_after -= 1
         if not self.queue:
             self._fill()
+        self.caught_up = len(self.queue) <= 1  # nothing waits behind what this read returns
         if self.queue:
             message = self.queue.popleft()
             if isinstance(message, XLogData) and message.data[:1] == b"C":

@@ -172,9 +172,11 @@ def eos_relay(
     max_events: int = 4,
     read_timeline: ReadTimeline | None = None,
     sink: Callable[..., Any] = Transactions,
+    interval: float = 3600.0,
 ) -> tuple[StreamRelay, Any]:
     """A relay in exactly-once mode on ``wal`` and ``kafka``; a Kafka transaction holds
-    ``max_events`` events, or those of the stream's last transaction read when it idles.
+    ``max_events`` events, or those of the stream's last transaction read when it idles
+    (``interval``: how long one stays open at most, a quarter of it on an idle stream).
     Its sink is ``sink(kafka, on_ack, on_refused)``: the stand-in ``Transactions`` by default,
     or ``real_sink``, the real one on the model of librdkafka's producer."""
     sinks: list[Any] = []
@@ -194,7 +196,7 @@ def eos_relay(
             status_interval=0.01,
             shutdown_timeout=0.05,
             progress_interval=3600.0,
-            exactly_once=ExactlyOnce("test", interval=3600.0, max_events=max_events),
+            exactly_once=ExactlyOnce("test", interval=interval, max_events=max_events),
             # the captures hold outbox messages: relayed as with --messages (whose check of
             # who may emit them is the database's, not the loop's)
             messages=Messages(relay=True),
@@ -571,3 +573,20 @@ def test_a_commit_kafka_made_but_librdkafka_reports_abortable_is_not_published_a
     ids = kafka.ids()
     assert len(ids) == len(set(ids)), f"{len(ids) - len(set(ids))} events visible twice"
     assert ids == wal.event_ids[: len(ids)]
+
+
+def test_an_idle_stream_commits_its_open_transaction_after_a_quarter_of_the_interval() -> None:
+    wal = Wal(backlog())
+    kafka = Kafka()
+    relay, sink = eos_relay(wal, kafka, max_events=10_000, interval=4.0)
+    opened: list[float] = []
+    committed: list[float] = []
+    sink.on_offer = lambda: opened or opened.append(time.monotonic())
+    sink.on_commit = lambda: committed.append(time.monotonic())
+    wal.on_idle = lambda: committed and relay.request_stop()
+    relay.stream(wal.tables)
+
+    assert kafka.ids() == wal.event_ids
+    # The backlog read, the stream idle: its transaction commits after a quarter of the
+    # interval (1 s), not the whole of it (4 s), which would only add to its latency.
+    assert committed[0] - opened[0] < 3.0, committed[0] - opened[0]
