@@ -43,8 +43,8 @@ class OutboxRow:
 
     id: str
     # NULL where the user's table allows it: an aggregate id makes an event without a key, an
-    # event_type a row that cannot be routed (event() refuses it; a NULL aggregate_type has no
-    # lock key, and the claim never takes the row)
+    # aggregate_type or event_type a row that cannot be routed (event() refuses it: a dead
+    # letter naming the column)
     aggregate_type: str | None
     aggregate_id: str | None
     event_type: str | None

@@ -990,12 +990,14 @@ def test_a_failed_row_waits_its_backoff_from_the_failure_not_from_the_claim(
     assert waits, "the row is due again at once"
 
 
-def test_a_row_whose_event_type_is_null_is_a_dead_letter_and_every_other_row_goes(
-    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
+@pytest.mark.parametrize("column", ["event_type", "aggregate_type"])
+def test_a_row_whose_type_is_null_is_a_dead_letter_and_every_other_row_goes(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any, column: str
 ) -> None:
-    # A table of the user's that lets event_type be NULL: the row cannot be routed, which is
-    # the row's own fault (a dead letter naming the column), never a crash on every restart.
-    column = "event_type"
+    # A table of the user's that lets the column be NULL: the row cannot be routed, which is
+    # the row's own fault (a dead letter naming the column), never a crash on every restart
+    # (event_type) nor a row left unclaimed without a word (aggregate_type: its lock key was
+    # NULL).
     with psycopg.connect(poller_db, autocommit=True) as conn:
         conn.execute(
             sql.SQL("ALTER TABLE outbox_events ALTER COLUMN {} DROP NOT NULL").format(
@@ -1046,7 +1048,7 @@ def test_a_row_whose_event_type_is_null_is_a_dead_letter_and_every_other_row_goe
     listed = cli("dead-letters", "list", "--dsn", poller_db)
     assert listed.returncode == 0, listed.stderr
     ((line,),) = [listed.stdout.splitlines()[1:]]
-    assert line.split()[:2] == [bad, "1"] and "event_type is NULL" in line, line
+    assert line.split()[:2] == [bad, "1"] and f"{column} is NULL" in line, line
 
 
 def test_an_idle_poller_stopped_says_no_message_was_waiting_for_kafka(
