@@ -444,11 +444,19 @@ class KafkaSink:
         return self._topics.missing(topic, err)
 
     def close(self) -> int:
-        """Close the producer; return how many messages were still unacknowledged."""
+        """Close the producer; return how many messages were still unacknowledged. A report
+        that comes now goes to no one (the caller is done with its events): it is counted."""
+        reports = 0
+
+        def count(*_: Any) -> None:
+            nonlocal reports
+            reports += 1
+
+        self._on_ack = self._on_refused = count
         # The client's queue holds its events too (a statistics report every 5 s that no one
         # served while the relay idled): served first, so that only messages are counted.
         self._producer.poll(0)
-        left = len(self._producer)
+        left = len(self._producer) + reports
         self._producer.purge()
         self._producer.flush(0)
         self._overdue.clear()

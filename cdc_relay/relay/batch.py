@@ -138,7 +138,11 @@ class Batch:
         self.failures[index] = error
         if own:
             self.own.add(index)
-        self._failed_aggregates.add(self._rows[index].aggregate)
+        row = self._rows[index]
+        if row.aggregate_type is not None:
+            # A row without a type is of no aggregate (the claim does not hold rows back
+            # behind it either): the rows behind it go, or fail on their own.
+            self._failed_aggregates.add(row.aggregate)
 
     def abandon(self) -> int:
         """The claim is gone (PostgreSQL ended its session): what the producer still holds is

@@ -368,9 +368,10 @@ SELECT pg_notify(%(channel)s, '')
 -- `shards` takes only its share of the aggregates (int4eq() rather than `=`: the planner then
 -- guesses a third of the rows pass, not one in 200, and keeps walking the index in seq order
 -- instead of sorting the whole backlog). The key is a hash of the aggregate: two aggregates
--- that share one are published one after the other, never out of order. A NULL type or id (a
--- user's table that allows it) hashes as '': the row is claimed, and one without a type is
--- refused as its own fault (a dead letter), never left unclaimed without a word. `skip`: the keys of
+-- that share one are published one after the other, never out of order. Type and id are read
+-- as text (a user's enum, uuid or integer column hashes as its text, as `||` made it), and a
+-- NULL as '': the row is claimed, and one without a type is refused as its own fault (a dead
+-- letter), never left unclaimed without a word. `skip`: the keys of
 -- the aggregates the worker's last claim found held up by a row another transaction locks
 -- (claim_skipped), walked past this once.
 -- The locks are tried outside the ordered subquery (OFFSET 0 keeps the planner from merging
@@ -384,13 +385,13 @@ FROM (
     SELECT head.key
     FROM (
         SELECT t.seq, t.aggregate_type, t.aggregate_id,
-               hashtext(coalesce(t.aggregate_type, '') || '/' || coalesce(t.aggregate_id, '')) AS key
+               hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) AS key
         FROM {table} AS t
         WHERE t.processed_at IS NULL
           AND (t.retry_after IS NULL OR t.retry_after <= now())
-          AND int4eq(mod(hashtext(coalesce(t.aggregate_id, '')) & 2147483647, %(shards)s),
+          AND int4eq(mod(hashtext(coalesce(t.aggregate_id::text, '')) & 2147483647, %(shards)s),
                      %(shard)s)
-          AND hashtext(coalesce(t.aggregate_type, '') || '/' || coalesce(t.aggregate_id, ''))
+          AND hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, ''))
               <> ALL(%(skip)s::int4[])
         ORDER BY t.seq
         OFFSET 0
@@ -424,11 +425,11 @@ FROM (
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
        {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq,
-       hashtext(coalesce(t.aggregate_type, '') || '/' || coalesce(t.aggregate_id, '')) AS key{trace}
+       hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) AS key{trace}
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
-  AND hashtext(coalesce(t.aggregate_type, '') || '/' || coalesce(t.aggregate_id, '')) = ANY(%(keys)s::int4[])
+  AND hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) = ANY(%(keys)s::int4[])
   AND NOT EXISTS (
       SELECT 1 FROM {table} AS w
       WHERE w.processed_at IS NULL AND w.retry_after > now() AND w.retry_after < 'infinity'
@@ -444,12 +445,12 @@ FOR UPDATE OF t SKIP LOCKED
 -- transaction (or committed since claim's snapshot). The poller publishes none of that
 -- aggregate's rows from there on, and walks past the aggregate in its next claim, so that
 -- the other aggregates are not held up behind it.
-SELECT hashtext(coalesce(t.aggregate_type, '') || '/' || coalesce(t.aggregate_id, '')) AS key,
+SELECT hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) AS key,
        min(t.seq) AS seq
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
-  AND hashtext(coalesce(t.aggregate_type, '') || '/' || coalesce(t.aggregate_id, '')) = ANY(%(keys)s::int4[])
+  AND hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) = ANY(%(keys)s::int4[])
   AND t.seq < %(last)s
   AND t.id <> ALL(%(ids)s::uuid[])
 GROUP BY 1

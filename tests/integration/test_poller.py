@@ -1067,3 +1067,31 @@ def test_an_idle_poller_stopped_says_no_message_was_waiting_for_kafka(
     finally:
         relay.close()
     assert "stopped; 0 messages were still waiting for Kafka" in relay.log(), relay.log()
+
+
+def test_a_table_whose_aggregate_type_is_an_enum_is_polled(
+    tmp_path: Path, poller_db: str, kafka_service: Any, names: Any
+) -> None:
+    # The claim's lock key reads type and id as text: an enum (or uuid, integer) column is
+    # hashed as its text, as `||` did, and coalescing a NULL to '' must not cast '' to the enum.
+    with psycopg.connect(poller_db, autocommit=True) as conn:
+        conn.execute("CREATE TYPE aggregate_kind AS ENUM ('order', 'customer')")
+        conn.execute("DROP VIEW outbox_dead_letters")  # made again below, on the new type
+        conn.execute(
+            "ALTER TABLE outbox_events ALTER COLUMN aggregate_type TYPE aggregate_kind "
+            "USING aggregate_type::aggregate_kind"
+        )
+    install_poller(poller_db)
+    writer = Writer(poller_db)
+    written = writer.transaction([("order", "o1", {"i": 0}), ("customer", "c1", {"i": 1})])
+    written += writer.transaction([("order", "o1", {"i": 2})])
+    writer.close()
+    relay = poller(tmp_path, poller_db, kafka_service, names).start()
+    try:
+        received = consume(kafka_service.bootstrap, names.topic_prefix, expected=len(written))
+        assert relay.alive(), relay.log()[-3000:]
+    finally:
+        relay.stop()
+    verdict = check(written, received, names.topic_prefix)
+    assert (verdict.lost, verdict.duplicates, verdict.out_of_order) == ([], 0, []), verdict
+    assert "Traceback" not in relay.log()

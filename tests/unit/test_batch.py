@@ -8,6 +8,7 @@ proves the same against Kafka (tests/integration/test_refusals.py).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from confluent_kafka import KafkaError
@@ -114,3 +115,19 @@ def test_what_the_client_or_the_router_refuses_is_the_rows_own_even_among_others
     assert "MSG_SIZE_TOO_LARGE" in pub.failures[1]
     assert "NULL payload" in pub.failures[2]
     assert pub.delivered == {0, 3}
+
+
+def test_rows_without_a_type_each_fail_on_their_own_and_hold_nothing_back() -> None:
+    # A row whose aggregate_type is NULL is of no aggregate: the claim does not hold the
+    # rows behind it back (SQL's NULL = NULL is not true), and neither does the batch, so a
+    # run of them fails in one batch instead of one row a cycle, ahead of other aggregates.
+    pub, _ = publisher()
+    untyped = [dataclasses.replace(row(n, "x"), aggregate_type=None) for n in (1, 2, 3)]
+    rows = [*untyped, row(4, "x")]
+
+    assert pub.publish(rows)
+
+    assert pub.own == set(pub.failures) == {0, 1, 2}
+    assert all("aggregate_type is NULL" in pub.failures[i] for i in (0, 1, 2))
+    assert pub.held == []
+    assert pub.delivered == {3}
