@@ -98,7 +98,10 @@ def test_a_poller_whose_rows_wait_for_kafka_with_none_acknowledged_is_not_ready(
     looks: list[tuple[bool, str]] = []
 
     def stuck_then_released() -> bool:
-        looks.append(relay.relay.health.ready())
+        look = relay.relay.health.ready()
+        if look == (False, "starting"):
+            return False  # the relay's thread has not registered its readiness yet
+        looks.append(look)
         if not looks[-1][0]:
             for sink in relay.sinks:
                 sink.hold_all = False
