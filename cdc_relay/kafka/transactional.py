@@ -60,6 +60,12 @@ class TransactionalSink(KafkaSink):
     ) -> None:
         settings = {**config, "transactional.id": transactional_id}
         settings.pop("enable.gapless.guarantee", None)  # an aborted transaction does that job
+        # librdkafka's five requests in flight, as before sink.REQUIRED pinned one: with one, an
+        # event sent alone that Kafka refused lost its report in the commit, and the relay
+        # took it for taken, replaying for ever (test_exactly_once.py, the dead-letter test:
+        # failed 3 runs in 6). Whether an implicit ack can leave a message out of a committed
+        # transaction is open (docs/exactly-once.md).
+        settings.pop("max.in.flight.requests.per.connection", None)
         super().__init__(settings, on_ack, on_refused, relay="stream", topics=topics)
         self._topic = checkpoint_topic
         self._key = transactional_id.encode()
