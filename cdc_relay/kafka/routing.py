@@ -31,16 +31,31 @@ _MAX_TOPIC = 249
 _ID, _EVENT_TYPE, _AGGREGATE_TYPE = HEADERS  # every message's first headers, in this order
 
 
-@dataclass(slots=True)
+@dataclass(init=False, slots=True)
 class Message:
     """A Kafka message, made per event: never changed once made (not frozen, which would
-    cost four times as much to make, bench/per_stage.py)."""
+    cost four times as much to make, bench/per_stage.py; its ``__init__`` written for the
+    compiled build, as cdc_relay.events says)."""
 
     topic: str
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
-    lsn: Lsn = 0  # where the event was committed (0 when not from a slot); never sent
+    lsn: Lsn  # where the event was committed (0 when not from a slot); never sent
+
+    def __init__(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes]],
+        lsn: Lsn = 0,
+    ) -> None:
+        self.topic = topic
+        self.key = key
+        self.value = value
+        self.headers = headers
+        self.lsn = lsn
 
 
 class TopicTaken(SchemaError):
