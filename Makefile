@@ -55,6 +55,9 @@ dist-compiled:
 	$(COMPILE_ENV)/bin/python -m pip install --quiet "setuptools>=77" "setuptools-scm>=8" wheel \
 		"build>=1.2" "mypy>=1.10" .
 	rm -f $(DIST)/cdc_relay-*
+	# setuptools' own build folders: a module compiled before and no longer listed in
+	# cdc_relay/compiled.py would otherwise ship in the wheel as native code still.
+	rm -rf build/lib.* build/temp.* build/bdist.*
 	CDC_RELAY_COMPILE=1 $(COMPILE_ENV)/bin/python -m build --no-isolation --wheel --outdir $(DIST) .
 
 # The compiled wheel, unpacked in build/compiled and run from there (so its native modules, not

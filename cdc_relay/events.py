@@ -43,13 +43,7 @@ def payload_kind(type_oid: int | None, bytea: bool) -> PayloadKind:
     return "json" if type_oid in JSON_OIDS else "text"
 
 
-# The records made per message or per event say ``init=False`` and write their ``__init__``:
-# compiled (cdc_relay/compiled.py), a written one is native code, while the one the dataclass
-# decorator makes stays a Python function, six times as slow to call (bench/README.md,
-# "Compiled"). Equality, repr and fields() are still the decorator's.
-
-
-@dataclass(init=False, slots=True)
+@dataclass(slots=True)
 class Begin:
     """A transaction starts; ``final_lsn`` is the LSN of its commit record."""
 
@@ -57,24 +51,14 @@ class Begin:
     commit_time_us: int  # Unix microseconds
     xid: int
 
-    def __init__(self, final_lsn: Lsn, commit_time_us: int, xid: int) -> None:
-        self.final_lsn = final_lsn
-        self.commit_time_us = commit_time_us
-        self.xid = xid
 
-
-@dataclass(init=False, slots=True)
+@dataclass(slots=True)
 class Commit:
     """A transaction ends; ``end_lsn`` is the position to confirm once its events are acked."""
 
     commit_lsn: Lsn
     end_lsn: Lsn
     commit_time_us: int
-
-    def __init__(self, commit_lsn: Lsn, end_lsn: Lsn, commit_time_us: int) -> None:
-        self.commit_lsn = commit_lsn
-        self.end_lsn = end_lsn
-        self.commit_time_us = commit_time_us
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +96,11 @@ Value = bytes | None | _Unchanged
 """A column value as the plugin sent it: text-format bytes, NULL, or unchanged TOAST."""
 
 
+# A record made per event says ``init=False`` and writes its ``__init__``: compiled
+# (cdc_relay/compiled.py), a written one is native code, while the one the dataclass decorator
+# makes stays a Python function, six times as slow to call (bench/README.md, "Compiled").
+# Equality, repr and fields() are still the decorator's; ``__reduce__`` keeps copy and pickle
+# working compiled, where the default one would call ``__init__`` without its arguments.
 @dataclass(init=False, slots=True)
 class Insert:
     relid: int
@@ -120,6 +109,9 @@ class Insert:
     def __init__(self, relid: int, values: tuple[Value, ...]) -> None:
         self.relid = relid
         self.values = values
+
+    def __reduce__(self) -> tuple[type[Insert], tuple[int, tuple[Value, ...]]]:
+        return (Insert, (self.relid, self.values))
 
 
 @dataclass(frozen=True, slots=True)

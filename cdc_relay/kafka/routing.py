@@ -34,14 +34,14 @@ _ID, _EVENT_TYPE, _AGGREGATE_TYPE = HEADERS  # every message's first headers, in
 @dataclass(init=False, slots=True)
 class Message:
     """A Kafka message, made per event: never changed once made (not frozen, which would
-    cost four times as much to make, bench/per_stage.py; its ``__init__`` written for the
-    compiled build, as cdc_relay.events says)."""
+    cost four times as much to make, bench/per_stage.py; its ``__init__`` and ``__reduce__``
+    written for the compiled build, as cdc_relay.events says of Insert)."""
 
     topic: str
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
-    lsn: Lsn  # where the event was committed (0 when not from a slot); never sent
+    lsn: Lsn = 0  # where the event was committed (0 when not from a slot); never sent
 
     def __init__(
         self,
@@ -56,6 +56,11 @@ class Message:
         self.value = value
         self.headers = headers
         self.lsn = lsn
+
+    def __reduce__(
+        self,
+    ) -> tuple[type[Message], tuple[str, bytes | None, bytes | None, list[tuple[str, bytes]], Lsn]]:
+        return (Message, (self.topic, self.key, self.value, self.headers, self.lsn))
 
 
 class TopicTaken(SchemaError):

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import pickle
 
 import pytest
 from capture import pgoutput_messages
@@ -18,6 +21,7 @@ from cdc_relay.events import (
     envelope_event,
     jsonb_text,
 )
+from cdc_relay.kafka.routing import Message
 from cdc_relay.postgres import pgoutput
 
 DEBEZIUM_COLUMNS = ("id", "aggregatetype", "aggregateid", "type", "payload", "tenant")
@@ -149,3 +153,23 @@ def test_a_payload_nested_as_deep_as_json_reads_is_written_whole() -> None:
     )
     event = envelope_event(LogicalMessage(True, 1, "outbox", content.encode()), BEGIN)
     assert event.payload == payload.encode()
+
+
+def test_records_made_per_event_copy_and_pickle_in_either_build() -> None:
+    """Insert and Message write their __init__ for the compiled build (cdc_relay.events); the
+    compiled default copy would call it without arguments. Real captured rows, both builds
+    (make compiled-check runs this on the compiled one)."""
+    records = [pgoutput.decode(m) for m in pgoutput_messages()]
+    inserts = [r for r in records if isinstance(r, Insert)]
+    assert inserts
+    message = Message("outbox.event.order", b"o-1", b"{}", [("id", b"1")], 42)
+    for record in [*inserts, message, Message("t", None, None, [])]:
+        for copied in (
+            copy.copy(record),
+            copy.deepcopy(record),
+            pickle.loads(pickle.dumps(record)),  # noqa: S301 - bytes it just made
+        ):
+            assert copied == record
+            assert type(copied) is type(record)
+    assert Message("t", None, None, []).lsn == 0
+    assert dataclasses.fields(Message)[-1].default == 0
