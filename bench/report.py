@@ -10,6 +10,8 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,8 +97,25 @@ def describe_machine(postgres_dsn: str) -> dict[str, Any]:
         "psycopg": psycopg.__version__,
         "libpq": psycopg.pq.version(),
         "debezium": debezium.DEBEZIUM_VERSION,
-        "cdc_relay": f"{cdc_relay.__version__}, commit {_git_commit()}",
+        "cdc_relay": f"{cdc_relay.__version__}, commit {_git_commit()}, {relay_build()}",
     }
+
+
+def relay_build() -> str:
+    """The build the contestants run, ``compiled (mypyc)`` or ``pure Python``: what
+    ``cdc-relay --version`` says where they start, in a folder of their own (a package in the
+    harness's folder is not theirs), with the harness's PYTHONPATH."""
+    result = subprocess.run(
+        [sys.executable, "-m", "cdc_relay", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=tempfile.gettempdir(),
+        check=False,
+        timeout=120,
+    )
+    if result.returncode != 0:
+        return f"build unknown ({(result.stdout + result.stderr).strip()[-200:]})"
+    return result.stdout.strip().rsplit(", ", 1)[-1]
 
 
 def _num(value: Any, digits: int = 0) -> str:

@@ -8,9 +8,7 @@ import logging
 import signal
 from typing import TYPE_CHECKING
 
-from cdc_relay import __version__
 from cdc_relay.commands.stops import stop_requested
-from cdc_relay.compiled import build
 
 if TYPE_CHECKING:
     from cdc_relay.relay.poller import PollRelay
@@ -35,8 +33,6 @@ def run_relay(relay: StreamRelay | PollRelay) -> None:
             extra={"action": "stop"},
         )
         return
-    # Which build runs, compiled or pure Python, is in the log of every run (and the bench's).
-    log.info("cdc-relay %s, %s", __version__, build(), extra={"action": "version"})
     _settle_memory()
     relay.run()
 

@@ -9,9 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from cdc_relay import __version__
 from cdc_relay.commands import relays
-from cdc_relay.compiled import build
 
 
 @pytest.fixture
@@ -38,14 +36,6 @@ class _Relay:
 
     def run(self) -> None:
         self.seen = (gc.get_threshold(), gc.get_freeze_count())
-
-
-@pytest.mark.usefixtures("collector")
-def test_the_log_says_which_build_runs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("INFO", logger="cdc_relay.commands.relays")
-    relays.run_relay(_Relay())  # type: ignore[arg-type]
-    assert [r.getMessage() for r in caplog.records] == [f"cdc-relay {__version__}, {build()}"]
-    assert build() in ("pure Python", "compiled (mypyc)")
 
 
 @pytest.mark.usefixtures("collector")
