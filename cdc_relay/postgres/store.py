@@ -146,6 +146,7 @@ class Outbox:
             trace=trace,
             payload=sql.SQL(payload),
             created_at=sql.SQL(QUERIES["created_at_text" if self.created_at else "no_created_at"]),
+            lock_key=sql.SQL(QUERIES["lock_key"]),
             payload_kind=sql.Literal(payload_kind(self.payload_type, self.payload_bytea)),
             **more,
         )

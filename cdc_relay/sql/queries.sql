@@ -385,14 +385,13 @@ FROM (
     SELECT head.key
     FROM (
         SELECT t.seq, t.aggregate_type, t.aggregate_id,
-               hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) AS key
+               {lock_key} AS key
         FROM {table} AS t
         WHERE t.processed_at IS NULL
           AND (t.retry_after IS NULL OR t.retry_after <= now())
           AND int4eq(mod(hashtext(coalesce(t.aggregate_id::text, '')) & 2147483647, %(shards)s),
                      %(shard)s)
-          AND hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, ''))
-              <> ALL(%(skip)s::int4[])
+          AND {lock_key} <> ALL(%(skip)s::int4[])
         ORDER BY t.seq
         OFFSET 0
     ) AS head
@@ -425,11 +424,11 @@ FROM (
 SELECT t.id::text AS id, t.aggregate_type, t.aggregate_id, t.event_type,
        {payload} AS payload, pg_typeof(t.payload)::oid AS payload_type, t.attempts,
        {created_at} AS created_at, {payload_kind} AS payload_kind, t.seq,
-       hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) AS key{trace}
+       {lock_key} AS key{trace}
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
-  AND hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) = ANY(%(keys)s::int4[])
+  AND {lock_key} = ANY(%(keys)s::int4[])
   AND NOT EXISTS (
       SELECT 1 FROM {table} AS w
       WHERE w.processed_at IS NULL AND w.retry_after > now() AND w.retry_after < 'infinity'
@@ -445,12 +444,12 @@ FOR UPDATE OF t SKIP LOCKED
 -- transaction (or committed since claim's snapshot). The poller publishes none of that
 -- aggregate's rows from there on, and walks past the aggregate in its next claim, so that
 -- the other aggregates are not held up behind it.
-SELECT hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) AS key,
+SELECT {lock_key} AS key,
        min(t.seq) AS seq
 FROM {table} AS t
 WHERE t.processed_at IS NULL
   AND (t.retry_after IS NULL OR t.retry_after <= now())
-  AND hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, '')) = ANY(%(keys)s::int4[])
+  AND {lock_key} = ANY(%(keys)s::int4[])
   AND t.seq < %(last)s
   AND t.id <> ALL(%(ids)s::uuid[])
 GROUP BY 1
@@ -704,6 +703,11 @@ t.payload
 -- The payload of any other column (text, json, jsonb, ...), for claim and unprocessed: its
 -- text in the database's encoding, the bytes pgoutput sends
 convert_to(t.payload::text, getdatabaseencoding())
+
+-- lock_key --
+-- The key of a row's aggregate, for claim_aggregates, claim and claim_skipped (each takes it as
+-- {lock_key}): a hash of its type and id read as text, a NULL as '' (claim_aggregates says why)
+hashtext(coalesce(t.aggregate_type::text, '') || '/' || coalesce(t.aggregate_id::text, ''))
 
 -- created_at_text --
 -- A created_at column of a timestamp type, for claim and unprocessed: its ISO 8601 text
