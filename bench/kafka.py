@@ -13,11 +13,12 @@ from confluent_kafka import (
     OFFSET_BEGINNING,
     TIMESTAMP_LOG_APPEND_TIME,
     Consumer,
+    IsolationLevel,
     KafkaError,
     KafkaException,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic, TopicMetadata
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec, TopicMetadata
 
 PARTITIONS = 3
 
@@ -91,6 +92,9 @@ class Watermarks:
             self._failing_since = None
         return self._last
 
+    def done(self, expected: int) -> bool:
+        return self.count() >= expected
+
     def close(self) -> None:
         self._consumer.close()
 
@@ -102,6 +106,8 @@ class Deliveries:
     messages: int = 0
     first_append_ms: dict[str, int] = field(default_factory=dict)
     """Event id -> append time (ms) of its first delivery."""
+    offsets: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
+    """(topic, partition) -> the offsets of its first and last message."""
     other_timestamps: int = 0
     """Messages not stamped with LogAppendTime (a topic created by someone else)."""
     without_id: int = 0
@@ -149,6 +155,9 @@ def read_all(bootstrap: str, topics: Sequence[str]) -> Deliveries:
                         continue
                     raise RuntimeError(f"reading {msg.topic()}: {err}")
                 deliveries.messages += 1
+                where, offset = (msg.topic() or "", msg.partition() or 0), msg.offset() or 0
+                first_offset, _ = deliveries.offsets.get(where, (offset, offset))
+                deliveries.offsets[where] = (first_offset, offset)
                 kind, stamp = msg.timestamp()
                 if kind != TIMESTAMP_LOG_APPEND_TIME:
                     deliveries.other_timestamps += 1
@@ -164,6 +173,108 @@ def read_all(bootstrap: str, topics: Sequence[str]) -> Deliveries:
     finally:
         consumer.close()
     return deliveries
+
+
+class CommitWatch:
+    """When a transactional contestant's messages became readable, for its backlog: each
+    partition's last stable offset (how far a read_committed consumer may read), asked every
+    10 ms while the contestant runs (this machine's clock).
+
+    Reading the backlog as it is committed (LiveReader) would run a second consumer of every
+    message, and the broker's serving of it, on the cores the contestant drains with; these
+    requests carry no message. A message at offset o is readable from the first answer whose
+    last stable offset is past o (``readable_at``): 10 ms late at most, plus one request.
+    """
+
+    INTERVAL = 0.01
+    SETTLED = 1.0
+    """Seconds with no transaction open and nothing new before the backlog counts as drained
+    (read back and checked after): the contestant commits within its idle time."""
+
+    def __init__(self, bootstrap: str, topics: Sequence[str]) -> None:
+        self._admin = AdminClient({"bootstrap.servers": bootstrap})
+        self._partitions = [TopicPartition(t, p) for t in topics for p in range(PARTITIONS)]
+        self.samples: list[tuple[float, dict[tuple[str, int], int]]] = []
+        """(time.time(), (topic, partition) -> last stable offset), one per change."""
+        self.longest_wait = 0.0
+        """The longest time between two answers (s): how late a commit may have been seen."""
+        self._answered = 0.0
+        self._open = True  # a transaction holds back its last stable offset
+        self._changed = time.monotonic()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="bench-commit-watch", daemon=True)
+
+    def start(self) -> CommitWatch:
+        """Start asking; returns with the first answer in (nothing committed yet)."""
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.samples:
+            if self._error is not None:
+                raise self._error
+            if time.monotonic() > deadline:
+                raise RuntimeError("the broker did not answer a ListOffsets request in 60 s")
+            time.sleep(self.INTERVAL)
+        return self
+
+    def count(self) -> int:
+        """Messages readable now, commit markers included (a progress figure, not events)."""
+        if self._error is not None:
+            raise self._error
+        return sum(self.samples[-1][1].values()) if self.samples else 0
+
+    def done(self, expected: int) -> bool:
+        """At least ``expected`` readable, no transaction open, and nothing new for SETTLED s:
+        the caller reads every message back to check that each event is there."""
+        return (
+            self.count() >= expected
+            and not self._open
+            and time.monotonic() - self._changed >= self.SETTLED
+        )
+
+    def readable_at(self, topic: str, partition: int, offset: int) -> float:
+        """When the message at ``offset`` was first seen readable (after an answer that
+        said it was not)."""
+        for i, (when, stable) in enumerate(self.samples):
+            if stable.get((topic, partition), 0) > offset:
+                if i == 0:
+                    raise RuntimeError(f"{topic} [{partition}] offset {offset} readable at once")
+                return when
+        raise RuntimeError(f"{topic} [{partition}] offset {offset} was never seen readable")
+
+    def _ask(self, isolation: IsolationLevel) -> dict[tuple[str, int], int]:
+        futures = self._admin.list_offsets(
+            {tp: OffsetSpec.latest() for tp in self._partitions},
+            isolation_level=isolation,
+            request_timeout=10,
+        )
+        return {(tp.topic, tp.partition): f.result().offset for tp, f in futures.items()}
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.INTERVAL):
+                try:
+                    stable = self._ask(IsolationLevel.READ_COMMITTED)
+                    when = time.time()
+                    high = self._ask(IsolationLevel.READ_UNCOMMITTED)
+                except KafkaException:
+                    continue  # not leader for a moment after a topic is made: asked again
+                if self.samples:
+                    self.longest_wait = max(self.longest_wait, when - self._answered)
+                self._answered = when
+                if not self.samples or stable != self.samples[-1][1]:
+                    self.samples.append((when, stable))
+                    self._changed = time.monotonic()
+                open_now = stable != high
+                if open_now != self._open:
+                    self._open = open_now
+                    self._changed = time.monotonic()
+        except BaseException as exc:  # noqa: BLE001 - raised by count, in the harness's thread
+            self._error = exc
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 class LiveReader:
@@ -206,6 +317,9 @@ class LiveReader:
         if self._error is not None:
             raise self._error
         return len(self.first_read)
+
+    def done(self, expected: int) -> bool:
+        return self.count() >= expected
 
     def _run(self) -> None:
         first = self.first_read

@@ -145,11 +145,11 @@ def _wait_delivered(
     topics: list[str],
     expected: int,
     say: Say,
-    reader: kafka.LiveReader | None = None,
+    reader: kafka.LiveReader | kafka.CommitWatch | None = None,
 ) -> None:
-    """Until the topics hold ``expected`` messages (read by ``reader``, when given); fail when
-    the contestant dies or stalls."""
-    marks: kafka.Watermarks | kafka.LiveReader = reader or kafka.Watermarks(trial.bootstrap, topics)
+    """Until the topics hold ``expected`` messages (as ``reader`` counts them, when given);
+    fail when the contestant dies or stalls."""
+    marks = reader or kafka.Watermarks(trial.bootstrap, topics)
     try:
         count, progress, shown = 0, time.monotonic(), time.monotonic()
         while True:
@@ -157,7 +157,7 @@ def _wait_delivered(
                 raise _died(process, f"after delivering {count:,} of {expected:,} events")
             now_count = marks.count()
             now = time.monotonic()
-            if now_count >= expected:
+            if marks.done(expected):
                 return
             if now_count > count:
                 count, progress = now_count, now
@@ -260,11 +260,16 @@ def backlog(
     trial = replace(trial, end_lsn=_one(trial.dsn, "wal_lsn"))
     say(f"written in {seconds:.1f} s; starting {contestant.name}")
     db_cpu = server_cpu(trial.server_pid)
-    reader = _live_reader(contestant, trial)
+    # For a transactional contestant, when its commits made the messages readable.
+    watch = (
+        kafka.CommitWatch(trial.bootstrap, event_topics(trial)).start()
+        if contestant.transactional
+        else None
+    )
     process = _start(contestant, trial)
     try:
         if contestant.delivers_to_kafka:
-            _wait_delivered(process, trial, event_topics(trial), events, say, reader)
+            _wait_delivered(process, trial, event_topics(trial), events, say, watch)
             usage, clean = _stop(contestant, process)
         else:
             finished = process.wait(STALL_TIMEOUT + events / 1000)
@@ -274,8 +279,8 @@ def backlog(
         db_cpu = server_cpu(trial.server_pid) - db_cpu
     finally:
         process.kill()
-        if reader is not None:
-            reader.close()
+        if watch is not None:
+            watch.close()
     wal_bytes = _one(trial.dsn, "wal_bytes_since", lsn=start_lsn)
     result: dict[str, Any] = {"write_s": round(seconds, 1), "stopped_cleanly": clean}
     result |= _figures(usage, db_cpu, wal_bytes, events)
@@ -295,11 +300,14 @@ def backlog(
     say("reading every message back")
     deliveries = kafka.read_all(trial.bootstrap, event_topics(trial))
     result |= _verify(deliveries, workload.event_ids(trial.dsn))
-    if reader is None:
+    if watch is None:
         stamps = [stamp / 1000 for stamp in deliveries.first_append_ms.values()]
+        first, last = min(stamps), max(stamps)
     else:  # committed, not appended: when a read_committed consumer could read them
-        stamps = list(reader.first_read.values())
-    first, last = min(stamps), max(stamps)
+        spans = deliveries.offsets.items()
+        first = min(watch.readable_at(*where, low) for where, (low, _) in spans)
+        last = max(watch.readable_at(*where, high) for where, (_, high) in spans)
+        result["commit_watch_longest_wait_s"] = round(watch.longest_wait, 3)
     return result | {
         "events_per_s": round(events / max(last - first, 0.001)),
         "time_to_drain_s": round(last - process.started, 2),
