@@ -473,7 +473,8 @@ class KafkaSink:
     def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
         if err is None:
             self.connected = True
-            KAFKA.back()
+            if KAFKA.since is not None:  # per event: no call while Kafka was not away
+                KAFKA.back()
             self._on_ack(token)
         else:
             self._on_refused(token, err)

@@ -60,11 +60,11 @@ from cdc_relay.relay.backoff import RECONNECT_MAX, reconnect_delay
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
 from cdc_relay.relay.losses import Losses
-from cdc_relay.relay.lsn_tracker import LsnTracker
+from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
 from cdc_relay.relay.preflight import check_database
 from cdc_relay.relay.records import Progress, Records
-from cdc_relay.relay.rewinds import Rewinds, Token
+from cdc_relay.relay.rewinds import Rewinds
 from cdc_relay.relay.slot_connection import SlotConnection
 from cdc_relay.relay.stages import (
     CheckpointStore,
@@ -145,10 +145,11 @@ class StreamRelay:
             made.append(transactional_sink(settings, eos, open_transactions, acked, refused))
             return made[0]
 
+        self._acks = Acknowledgements(self.tracker, LATENCY.observe, time.time)
         self.pipeline = Pipeline(
             router,
             open_kafka,
-            self,
+            self._acks,
             policy,
             tick=self._send_status,
             give_up=lambda: self._stop,
@@ -178,11 +179,9 @@ class StreamRelay:
         self._stop = False
         self._shutting_down = False  # in the graceful stop: a refusal no longer rewinds
         self._received: Lsn = 0
-        self._acks = 0  # acknowledgements not yet added to the published counter
         self._caught_up = False  # at the loop's last tick: the relay had read all that came
-        # Ids of the events sent and not acknowledged, for the stop line: the tracker forgets
-        # them on a rewind, and the producer once Kafka refused them.
-        self._unacknowledged: set[str] = set()
+        # Ids of the events sent and not acknowledged, for the stop line (Acknowledgements).
+        self._unacknowledged = self._acks.unacknowledged
         self._slot_confirmed: Lsn = 0  # the slot's position at start
         # Its parts: where a shard stands to its resharding cut, what the records mean, the
         # server's timeline, the losses counted toward a stop, taking the slot and holding
@@ -219,18 +218,6 @@ class StreamRelay:
     @property
     def stopped(self) -> bool:
         return self._stop
-
-    def acked(self, token: Token) -> None:
-        """The checkpointer's report (pipeline.Checkpointer): the LSN tracker's."""
-        transaction = token[0]
-        self.tracker.acked(transaction)
-        self._unacknowledged.discard(token[1])
-        # Counted here, added to the metric with the next status update: a Prometheus
-        # counter's inc() takes a lock, per event.
-        self._acks += 1
-        if transaction.committed and not transaction.pending and not transaction.forgotten:
-            # Commit to the ack of the transaction's last event, once per transaction.
-            LATENCY.observe(max(0.0, time.time() - transaction.commit_time_us / 1e6))
 
     def _register_metrics(self) -> None:
         """Gauges read on scrape, from the relay's own state."""
@@ -392,10 +379,10 @@ class StreamRelay:
         and a status update goes out when one is due (status.py)."""
         self.health.beat()
         self._maybe_commit()
-        if self._acks:
-            self._published.inc(self._acks)
-            self.progress.acknowledged += self._acks
-            self._acks = 0
+        acks = self._acks.take()
+        if acks:
+            self._published.inc(acks)
+            self.progress.acknowledged += acks
         self._status.update(self._received, self._watcher, force)
 
     # -- the start ------------------------------------------------------------------------

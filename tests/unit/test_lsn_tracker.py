@@ -6,7 +6,7 @@ from capture import pgoutput_messages
 
 from cdc_relay.events import Begin, Commit, Insert
 from cdc_relay.postgres import pgoutput
-from cdc_relay.relay.lsn_tracker import LsnTracker, Transaction
+from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker, Transaction
 
 
 def committed(tracker: LsnTracker, end_lsn: int, events: int) -> Transaction:
@@ -124,6 +124,30 @@ def test_reset_forgets_in_flight_and_ignores_their_late_acks() -> None:
     tracker.acked(again)
     tracker.acked(again)
     assert tracker.safe_lsn == 200
+
+
+def test_acknowledgements_move_the_tracker_count_and_time_each_transaction_once() -> None:
+    """The stream's checkpointer: each report moves the tracker and leaves the unacknowledged
+    ids; the commit-to-ack latency is observed once per transaction, on the clock given, and
+    not for a transaction forgotten by a rewind, whose late reports are still counted."""
+    tracker = LsnTracker()
+    latencies: list[float] = []
+    acks = Acknowledgements(tracker, latencies.append, clock=lambda: 12.5)
+    txn = tracker.begin(commit_time_us=10_000_000)
+    for event in ("a", "b"):
+        tracker.sent(txn)
+        acks.unacknowledged.add(event)
+    tracker.commit(txn, 100)
+    acks.acked((txn, "b"))
+    assert (tracker.safe_lsn, acks.unacknowledged, latencies) == (0, {"a"}, [])
+    acks.acked((txn, "a"))
+    assert (tracker.safe_lsn, acks.unacknowledged, latencies) == (100, set(), [2.5])
+    lost = committed(tracker, 200, events=1)
+    acks.unacknowledged.add("c")
+    tracker.reset()
+    acks.acked((lost, "c"))  # late, from before the rewind
+    assert (tracker.safe_lsn, acks.unacknowledged, latencies) == (100, set(), [2.5])
+    assert (acks.take(), acks.take()) == (3, 0)
 
 
 def test_real_stream_confirms_each_commit_end_once_acked() -> None:

@@ -58,6 +58,7 @@ from simulation import (
 
 from cdc_relay.kafka import exactly_once
 from cdc_relay.lsn import format_lsn
+from cdc_relay.metrics import LATENCY
 from cdc_relay.postgres import messages
 from cdc_relay.relay import (
     cut,
@@ -413,10 +414,22 @@ def test_simulation(mode: str) -> None:
     elif MODES[mode].shards:
         base = ReshardSimulation
     machine = type(f"Simulation_{mode.replace('-', '_')}", (base,), {"mode": MODES[mode]})
+    observed, total = _latencies()
     try:
         run_state_machine_as_test(machine, settings=SIMULATION)
     finally:
         print(SEARCH)  # shown with a failure, and by make simulate
+    if mode != "poll":
+        # Every clock the relay reads is the virtual one, the commit-to-ack latency's too.
+        count, seconds = _latencies()
+        assert count > observed
+        assert (seconds - total) / (count - observed) < 3600
+
+
+def _latencies() -> tuple[float, float]:
+    """How many commit-to-ack latencies the stream relay observed, and their sum."""
+    samples = {s.name: s.value for metric in LATENCY.collect() for s in metric.samples}
+    return samples[f"{LATENCY._name}_count"], samples[f"{LATENCY._name}_sum"]
 
 
 # -- schedules the search found, replayed ------------------------------------------------------
