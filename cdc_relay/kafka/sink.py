@@ -79,7 +79,11 @@ DEFAULTS = {
     "client.id": "cdc-relay",
     "compression.type": "lz4",
     "linger.ms": "10",
-    "queue.buffering.max.messages": "100000",
+    # What the producer may hold: 20,000 events is a fifth of a second of a backlog at 100,000
+    # events/s, enough for full batches, and caps the relay's memory. With librdkafka's
+    # 100,000, a backlog met by a broker just started (bench/README.md) grew the relay's peak
+    # RSS to 125-136 MiB, and drained no faster.
+    "queue.buffering.max.messages": "20000",
     "queue.buffering.max.kbytes": "131072",
     # Statistics tell whether a broker connection is up (readiness, cdc_relay_connected).
     "statistics.interval.ms": "5000",
