@@ -321,10 +321,40 @@ def markdown(data: dict[str, Any]) -> str:
         "/dev/null, delivers nothing to Kafka, so it has no latency; its backlog time runs to "
         "its exit at the end LSN of the workload.",
     ]
+    out += _rounds_section(data)
     profile = data.get("profile")
     if profile:
         out += ["", *profile_markdown(profile)]
     return "\n".join(out) + "\n"
+
+
+def _rounds_section(data: dict[str, Any]) -> list[str]:
+    """With ``--rounds``: each round's main figures beside the median the tables give."""
+    rows = [r for r in data["results"] if r.get("rounds")]
+    if not rows:
+        return []
+    count = data["settings"].get("rounds", len(rows[0]["rounds"]))
+    out = [
+        "",
+        f"## Rounds: {count}, in turns",
+        "",
+        f"Every trial ran {count} times, round 1 of every contestant and workload first, then "
+        "round 2 ...; each figure above is the median of its rounds (lost and duplicated "
+        "events: the sum). Each round's:",
+        "",
+        "| contestant | workload | events/s | CPU (s) | p99 (ms) | peak RSS (MiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = [
+            " / ".join(
+                "failed" if r["status"] != "ok" else _num(r.get(key), digits) for r in row["rounds"]
+            )
+            for key, digits in (("events_per_s", 0), ("cpu_s", 1), ("p99_ms", 1))
+        ]
+        rss = " / ".join(_num(r.get("peak_rss_mib")) for r in row["rounds"])
+        out.append(f"| {row['contestant']} | {row['workload']} | {' | '.join(cells)} | {rss} |")
+    return out
 
 
 def profile_markdown(profile: dict[str, Any]) -> list[str]:

@@ -3,6 +3,7 @@
 python -m bench.run                                  # the full size (make bench)
 python -m bench.run --events 20000 --duration 10     # a quick run
 python -m bench.run --contestants stream,debezium --workloads backlog
+python -m bench.run --contestants stream,pg_recvlogical --rounds 3   # medians of 3 rounds
 python -m bench.run --list                           # which contestants can run here
 
 A full run (see ``full_run``) is refused while the machine's load average is above
@@ -22,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from bench import load, report, trials
+from bench import load, report, rounds, trials
 from bench.contestants import CONTESTANTS, Contestant, Stream
 from bench.kafka import PARTITIONS
 from bench.trials import Services, TrialFailed
@@ -90,6 +91,28 @@ def _run_trial(
     row["trial_s"] = round(time.monotonic() - started, 1)
     say(f"{row['status']} in {row['trial_s']:.0f} s: " + _summary(row))
     return row
+
+
+def _refused(
+    services: Services, contestant: Contestant, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The rows of a contestant that cannot run here, or did not deliver its preflight's
+    events; none when it may run."""
+    reason = contestant.unavailable()
+    status = "not available"
+    if reason is None and args.preflight_events:
+        check = _run_trial(services, contestant, "backlog", args, events=args.preflight_events)
+        if check["status"] != "ok":
+            reason = f"did not deliver {args.preflight_events:,} events: {check['reason']}"
+            status = "failed"
+    if reason is None:
+        return []
+    if status == "not available":
+        _say("bench")(f"{contestant.name}: not available: {reason}")
+    return [
+        {"contestant": contestant.name, "workload": w, "status": status, "reason": reason}
+        for w in args.workload_list
+    ]
 
 
 def _summary(row: dict[str, Any]) -> str:
@@ -213,6 +236,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help=f"run a full run even when the 1-minute load average is above {load.QUIET:.1f} "
         "(the results say noisy)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every trial this many times, in turns, and give the median of each figure "
+        "with each round's (bench/rounds.py)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--list", action="store_true", help="list contestants and exit")
     args = parser.parse_args(argv)
@@ -226,6 +256,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not asked:
         parser.error(f"--workloads {args.workloads!r}: choose from {', '.join(WORKLOADS)}")
     args.workload_list = [w for w in WORKLOADS if w in asked]
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: at least 1")
     return args
 
 
@@ -279,38 +311,25 @@ def main(argv: list[str] | None = None) -> int:
         broker.start()
         services = Services(postgres, broker, workdir)
         machine = report.describe_machine(postgres.dsn)
-        for contestant in args.selected:
-            reason = contestant.unavailable()
-            if reason is None and args.preflight_events:
-                check = _run_trial(
-                    services, contestant, "backlog", args, events=args.preflight_events
-                )
-                if check["status"] != "ok":
-                    reason = None
-                    failure = f"did not deliver {args.preflight_events:,} events: {check['reason']}"
-                    results += [
-                        {
-                            "contestant": contestant.name,
-                            "workload": w,
-                            "status": "failed",
-                            "reason": failure,
-                        }
-                        for w in args.workload_list
+        # Round 1 of every contestant (each after its preflight), then round 2, ...
+        ran: dict[str, list[list[dict[str, Any]]]] = {}
+        refused: set[str] = set()  # not available here, or its preflight failed
+        for round_ in range(args.rounds):
+            for contestant in args.selected:
+                if round_ == 0:
+                    rows = _refused(services, contestant, args)
+                    ran[contestant.name] = [[row] for row in rows] or [
+                        [] for _ in args.workload_list
                     ]
+                    if rows:
+                        refused.add(contestant.name)
+                if contestant.name in refused:
                     continue
-            if reason is not None:
-                say(f"{contestant.name}: not available: {reason}")
-                results += [
-                    {
-                        "contestant": contestant.name,
-                        "workload": w,
-                        "status": "not available",
-                        "reason": reason,
-                    }
-                    for w in args.workload_list
-                ]
-                continue
-            results += [_run_trial(services, contestant, w, args) for w in args.workload_list]
+                if args.rounds > 1:
+                    say(f"round {round_ + 1} of {args.rounds}: {contestant.name}")
+                for n, w in enumerate(args.workload_list):
+                    ran[contestant.name][n].append(_run_trial(services, contestant, w, args))
+        results += [rounds.merge(rows) for trials_ in ran.values() for rows in trials_]
         if args.profile:
             out.mkdir(parents=True, exist_ok=True)
             profile = _profile(services, args, out)
@@ -340,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             "steady_transaction_size": args.steady_transaction_size,
             "partitions": PARTITIONS,
             "preflight_events": args.preflight_events,
+            "rounds": args.rounds,
             "workloads": args.workload_list,
             "command": command,
         },

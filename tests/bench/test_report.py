@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from matplotlib.text import Text
 
-from bench import report
+from bench import report, rounds
 
 MACHINE = {
     "date": "2026-01-01T00:00:00+00:00",
@@ -176,3 +176,40 @@ def test_older_results_still_render(tmp_path: Path, backlog_only: dict[str, Any]
     report.write(backlog_only, tmp_path, latest=None)
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert "Noisy" not in (tmp_path / "results.md").read_text()
+
+
+def test_rounds_give_the_median_of_each_figure_and_each_rounds_own() -> None:
+    """``--rounds 3``: one row per trial, its figures the median of the rounds (a loss or a
+    duplicate in any round counts), every round's figures in a table of their own."""
+    latencies = [
+        {"p50": p50, "p95": 20.0, "p99": p99, "max": 40.0}
+        for p50, p99 in ((5.0, 12.0), (6.0, 30.0), (4.0, 11.0))
+    ]
+    backlog = [
+        _ok("stream", "backlog", events_per_s=r, cpu_s=c, duplicates=d)
+        for r, c, d in ((90_000, 4.6, 0), (60_000, 7.0, 2), (85_000, 4.9, 0))
+    ]
+    steady = [_ok("stream", "steady", latency_ms=latency) for latency in latencies]
+    merged_backlog, merged_steady = rounds.merge(backlog), rounds.merge(steady)
+    assert (merged_backlog["events_per_s"], merged_backlog["cpu_s"]) == (85_000, 4.9)
+    assert merged_backlog["duplicates"] == 2
+    assert merged_steady["latency_ms"] == {"p50": 5.0, "p95": 20.0, "p99": 12.0, "max": 40.0}
+    data = _data(["backlog", "steady"], [merged_backlog, merged_steady], noisy=False)
+    data["settings"]["rounds"] = 3
+    text = report.markdown(data)
+    assert "| stream | 85,000 |" in text
+    assert "## Rounds: 3, in turns" in text
+    assert "| stream | backlog | 90,000 / 60,000 / 85,000 | 4.6 / 7.0 / 4.9 |" in text
+    assert (
+        "| stream | steady | 1,000 / 1,000 / 1,000 | 1.0 / 1.0 / 1.0 | 12.0 / 30.0 / 11.0 |" in text
+    )
+
+
+def test_a_round_that_failed_fails_the_trial_and_one_round_is_the_row_itself() -> None:
+    ok = _ok("stream", "backlog")
+    failed = {"contestant": "stream", "workload": "backlog", "status": "failed", "reason": "lost 3"}
+    assert rounds.merge([ok]) is ok
+    merged = rounds.merge([ok, failed])
+    assert (merged["status"], merged["reason"]) == ("failed", "round 2 of 2: lost 3")
+    assert [r["status"] for r in merged["rounds"]] == ["ok", "failed"]
+    assert "round 2 of 2: lost 3" in report.markdown(_data(["backlog"], [merged], noisy=False))
