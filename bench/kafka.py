@@ -92,9 +92,6 @@ class Watermarks:
             self._failing_since = None
         return self._last
 
-    def done(self, expected: int) -> bool:
-        return self.count() >= expected
-
     def close(self) -> None:
         self._consumer.close()
 
@@ -223,14 +220,10 @@ class CommitWatch:
             raise self._error
         return sum(self.samples[-1][1].values()) if self.samples else 0
 
-    def done(self, expected: int) -> bool:
-        """At least ``expected`` readable, no transaction open, and nothing new for SETTLED s:
-        the caller reads every message back to check that each event is there."""
-        return (
-            self.count() >= expected
-            and not self._open
-            and time.monotonic() - self._changed >= self.SETTLED
-        )
+    def settled(self) -> bool:
+        """No transaction open, and nothing new for SETTLED s: with the count reached, the
+        backlog is drained (the caller reads every message back to check each event)."""
+        return not self._open and time.monotonic() - self._changed >= self.SETTLED
 
     def readable_at(self, topic: str, partition: int, offset: int) -> float:
         """When the message at ``offset`` was first seen readable (after an answer that
@@ -317,9 +310,6 @@ class LiveReader:
         if self._error is not None:
             raise self._error
         return len(self.first_read)
-
-    def done(self, expected: int) -> bool:
-        return self.count() >= expected
 
     def _run(self) -> None:
         first = self.first_read

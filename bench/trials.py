@@ -157,7 +157,10 @@ def _wait_delivered(
                 raise _died(process, f"after delivering {count:,} of {expected:,} events")
             now_count = marks.count()
             now = time.monotonic()
-            if marks.done(expected):
+            # A transaction's commit markers count too: settled, the last one is committed.
+            if now_count >= expected and (
+                not isinstance(marks, kafka.CommitWatch) or marks.settled()
+            ):
                 return
             if now_count > count:
                 count, progress = now_count, now
