@@ -10,7 +10,6 @@ events themselves, so memory does not grow with transaction size.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -123,7 +122,7 @@ class Acknowledgements:
         self,
         tracker: LsnTracker,
         latency: Callable[[float], None],
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float],
     ) -> None:
         self._tracker = tracker
         self._latency = latency

@@ -180,8 +180,6 @@ class StreamRelay:
         self._shutting_down = False  # in the graceful stop: a refusal no longer rewinds
         self._received: Lsn = 0
         self._caught_up = False  # at the loop's last tick: the relay had read all that came
-        # Ids of the events sent and not acknowledged, for the stop line (Acknowledgements).
-        self._unacknowledged = self._acks.unacknowledged
         self._slot_confirmed: Lsn = 0  # the slot's position at start
         # Its parts: where a shard stands to its resharding cut, what the records mean, the
         # server's timeline, the losses counted toward a stop, taking the slot and holding
@@ -197,7 +195,7 @@ class StreamRelay:
             self.rewinds,
             self.pipeline.publish,
             self.progress,
-            self._unacknowledged,
+            self._acks.unacknowledged,
         )
         self._timeline = Timeline(settings, read_timeline, committer)
         self._losses = Losses(self.tracker)
@@ -573,7 +571,7 @@ class StreamRelay:
             self.sink.close()
             self._status.log_progress()
             # Not what the producer still holds: a refused event is no longer there.
-            left = len(self._unacknowledged)
+            left = len(self._acks.unacknowledged)
             log.info(
                 "stopped; %d event%s not acknowledged will be sent again on restart",
                 left,
