@@ -106,7 +106,8 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Sha
     default=0.1,
     show_default=True,
     help="Seconds a Kafka transaction of --exactly-once stays open at most; a quarter of it "
-    "once the relay has read all the server sent.",
+    "once the relay has read all the server sent; while it drains a backlog, up to 0.5 s "
+    "(or this, if longer) and 50,000 events.",
 )
 @env_option(
     "--standby",

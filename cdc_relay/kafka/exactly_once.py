@@ -44,6 +44,9 @@ DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
 # librdkafka's transaction.timeout.ms when the user sets none; the broker aborts a transaction
 # open longer than that.
 _TRANSACTION_TIMEOUT_MS = 60_000
+# Seconds a Kafka transaction may stay open while the relay drains a backlog: within half of
+# librdkafka's smallest transaction.timeout.ms (1 s), so check_interval needs no second rule.
+BACKLOG_INTERVAL = 0.5
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,9 @@ class ExactlyOnce:
 
     transactional_id: str
     checkpoint_topic: str = DEFAULT_CHECKPOINT_TOPIC
-    interval: float = 0.1  # seconds a Kafka transaction stays open at most
-    max_events: int = 10_000  # events in one Kafka transaction at most
+    interval: float = 0.1  # seconds a Kafka transaction stays open at most, keeping up
+    max_events: int = 50_000  # events in one Kafka transaction at most
+    backlog_interval: float = BACKLOG_INTERVAL  # ... while the relay drains a backlog
 
     @property
     def idle_after(self) -> float:
@@ -62,6 +66,16 @@ class ExactlyOnce:
         every few events at a moderate rate, each a round of requests to the broker; waiting
         the whole interval would only add to the events' latency."""
         return self.interval / 4
+
+    @property
+    def backlog_after(self) -> float:
+        """Seconds a Kafka transaction stays open at most while the relay drains a backlog
+        (it had not read all the server sent at any look since the transaction began):
+        ``backlog_interval``, or ``interval`` if longer. The events wait behind the backlog
+        anyway; each commit is a round of requests (the producer's flush, EndTxn, a marker per
+        partition) during which the relay reads nothing, so fewer, larger transactions drain
+        it sooner (bench/README.md, "Exactly once drains in larger transactions")."""
+        return max(self.interval, self.backlog_interval)
 
 
 def check_interval(config: Mapping[str, str], interval: float) -> None:
@@ -149,6 +163,7 @@ class Committer:
         self._last_full = NOWHERE  # the last unit whose events were all produced
         self._unit: Unit | None = None  # the open unit
         self._unit_events = 0  # its events produced (or skipped as already in Kafka)
+        self._kept_up_in = -1.0  # the ``opened`` of the last transaction the relay idled in
 
     @property
     def replaying(self) -> bool:
@@ -208,16 +223,20 @@ class Committer:
     def due(self, force: bool = False, idle: bool = False) -> bool:
         """Whether to commit now: events are open and the transaction is old or large
         enough (or ``force``); ``idle`` (the relay has read all the server sent): old enough
-        for that (ExactlyOnce.idle_after)."""
+        for that (ExactlyOnce.idle_after). Old enough is ``interval`` if the relay idled at
+        any look since the transaction began, else it drains a backlog: ``backlog_after``."""
         sink = self.sink
         if not sink.events:
             return False
         eos = self.eos
+        if idle:
+            self._kept_up_in = sink.opened
         age = time.monotonic() - sink.opened
+        longest = eos.interval if self._kept_up_in == sink.opened else eos.backlog_after
         return (
             force
             or sink.events >= eos.max_events
-            or age >= eos.interval
+            or age >= longest
             or (idle and age >= eos.idle_after)
         )
 

@@ -49,6 +49,7 @@ from test_observability import scrape
 from cdc_relay.devstack import LOOPBACK, free_ports
 from cdc_relay.devstack.kafka import LocalKafka
 from cdc_relay.kafka.checkpoints import Checkpoint, KafkaCheckpoints, Unit, read_checkpoint
+from cdc_relay.kafka.exactly_once import ExactlyOnce
 from cdc_relay.kafka.routing import Message
 from cdc_relay.kafka.sink import producer_config
 from cdc_relay.kafka.transactional import TransactionalSink
@@ -310,8 +311,9 @@ def test_a_huge_transaction_streams_through_many_kafka_transactions_in_bounded_m
     tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
 ) -> None:
     """One PostgreSQL transaction of BIG events (200,000 by default): the relay splits it
-    into Kafka transactions of at most 10,000 events, each committed with a checkpoint in the
-    middle of the PostgreSQL transaction, so no Kafka transaction lives long (the producer's
+    into Kafka transactions of at most ExactlyOnce.max_events (50,000) events, each committed
+    with a checkpoint in the middle of the PostgreSQL transaction, so no Kafka transaction
+    lives long (the producer's
     transaction.timeout.ms is cut to 10 s here: a relay holding one Kafka transaction for the
     whole PostgreSQL one would be aborted by the broker) and the relay's memory does not grow
     with the transaction. A read_committed consumer sees every event once, in order."""
@@ -373,7 +375,8 @@ def test_a_huge_transaction_streams_through_many_kafka_transactions_in_bounded_m
     assert duplicates == 0
     assert disorder == []
     assert aborted == 0
-    assert committed >= BIG / 10_000  # split: at most 10,000 events per Kafka transaction
+    # split: at most max_events per Kafka transaction
+    assert committed >= BIG / ExactlyOnce("any").max_events
     assert longest <= 10  # every Kafka transaction within the producer's transaction.timeout.ms
     # Bounded: the relay holds one Kafka transaction's events at most (the producer's queue).
     # Holding the PostgreSQL transaction's would take hundreds of megabytes: 200,000 events

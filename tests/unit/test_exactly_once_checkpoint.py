@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from cdc_relay.errors import UsageError
+from cdc_relay.kafka import exactly_once
 from cdc_relay.kafka.checkpoints import (
     MESSAGE,
     Checkpoint,
@@ -19,6 +20,7 @@ from cdc_relay.kafka.checkpoints import (
     _watermarks,
 )
 from cdc_relay.kafka.exactly_once import (
+    BACKLOG_INTERVAL,
     Committer,
     ExactlyOnce,
     Skipper,
@@ -214,6 +216,8 @@ def test_a_commit_is_due_when_the_transaction_is_old_or_large_enough() -> None:
     sink.events = eos.eos.max_events
     assert eos.due()
     sink.events, sink.opened = 1, time.monotonic() - eos.eos.interval
+    assert not eos.due()  # busy since it began: a backlog, which larger transactions drain
+    sink.opened = time.monotonic() - eos.eos.backlog_after
     assert eos.due()
 
 
@@ -295,9 +299,9 @@ def test_a_partition_still_without_a_leader_at_the_deadline_is_an_error() -> Non
 class OpenTransaction:
     """The exactly-once sink as Committer.due reads it: events open since ``opened``."""
 
-    def __init__(self, events: int, age: float) -> None:
+    def __init__(self, events: int, age: float, now: float | None = None) -> None:
         self.events = events
-        self.opened = time.monotonic() - age
+        self.opened = (time.monotonic() if now is None else now) - age
 
 
 @pytest.mark.parametrize(
@@ -319,3 +323,58 @@ def test_a_transaction_commits_past_its_interval_or_a_quarter_of_it_once_the_str
     committer = Committer(eos, cast(Transactions, OpenTransaction(events, age)))
     assert committer.due(idle=idle) is due
     assert committer.due(force=True) is (events > 0)
+
+
+class Clock:
+    """time, as exactly_once reads it: ``monotonic`` moved by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("looks", "age", "due"),
+    [
+        ([], 2.0, False),  # busy since it began: a backlog, whose transactions grow
+        ([], 5.0, True),  # up to backlog_interval
+        ([True], 2.0, True),  # idle once (young then): it keeps up, the interval holds
+        ([True, False, False], 2.0, True),
+        ([False, False], 2.0, False),
+    ],
+)
+def test_a_transaction_stays_open_longer_while_the_relay_drains_a_backlog(
+    looks: list[bool], age: float, due: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(exactly_once, "time", clock)
+    eos = ExactlyOnce("test", interval=1.0, max_events=1000, backlog_interval=5.0)
+    assert eos.backlog_after == 5.0
+    committer = Committer(eos, cast(Transactions, OpenTransaction(5, 0.0, clock.now)))
+    clock.now += 0.1
+    for idle in looks:
+        assert not committer.due(idle=idle)  # 0.1 s old: young, idle or not
+    clock.now += age - 0.1
+    assert committer.due(idle=False) is due
+
+
+def test_an_idle_look_counts_for_its_own_transaction_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(exactly_once, "time", clock)
+    eos = ExactlyOnce("test", interval=1.0, max_events=1000, backlog_interval=5.0)
+    transaction = OpenTransaction(5, 0.0, clock.now)
+    committer = Committer(eos, cast(Transactions, transaction))
+    assert not committer.due(idle=True)  # the relay idles in the first transaction
+    clock.now += 0.01
+    transaction.opened = clock.now  # it commits; the next one is busy all along
+    clock.now += 2.0
+    assert not committer.due(idle=False)
+    clock.now += 3.0
+    assert committer.due(idle=False)
+
+
+def test_the_backlog_interval_is_never_shorter_than_the_interval() -> None:
+    assert ExactlyOnce("test", interval=2.0).backlog_after == 2.0
+    assert ExactlyOnce("test").backlog_after == BACKLOG_INTERVAL > ExactlyOnce("test").interval
