@@ -107,7 +107,7 @@ def _shard(ctx: click.Context, param: click.Parameter, value: str | None) -> Sha
     show_default=True,
     help="Seconds a Kafka transaction of --exactly-once stays open at most; a quarter of it "
     "once the relay has read all the server sent; while it drains a backlog, up to 0.5 s "
-    "(or this, if longer) and 50,000 events.",
+    "(a tenth of transaction.timeout.ms if less, this if longer) and 50,000 events.",
 )
 @env_option(
     "--standby",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from cdc_relay.errors import KafkaUnavailableError, UsageError
@@ -44,8 +44,8 @@ DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
 # librdkafka's transaction.timeout.ms when the user sets none; the broker aborts a transaction
 # open longer than that.
 _TRANSACTION_TIMEOUT_MS = 60_000
-# Seconds a Kafka transaction may stay open while the relay drains a backlog: within half of
-# librdkafka's smallest transaction.timeout.ms (1 s), so check_interval needs no second rule.
+# Seconds a Kafka transaction may stay open while the relay drains a backlog, at most a tenth
+# of transaction.timeout.ms (fitted): the rest is left to its commit, which flushes the queue.
 BACKLOG_INTERVAL = 0.5
 
 
@@ -78,17 +78,32 @@ class ExactlyOnce:
         return max(self.interval, self.backlog_interval)
 
 
+def _timeout_ms(config: Mapping[str, str]) -> int | None:
+    """The producer's transaction.timeout.ms; None when not a number (librdkafka refuses it
+    itself, with its own words, when the producer starts)."""
+    try:
+        return int(config.get("transaction.timeout.ms", str(_TRANSACTION_TIMEOUT_MS)))
+    except ValueError:
+        return None
+
+
+def fitted(eos: ExactlyOnce, config: Mapping[str, str]) -> ExactlyOnce:
+    """``eos`` with its backlog interval at most a tenth of the producer's
+    transaction.timeout.ms: a transaction of a backlog then leaves most of the timeout to its
+    commit, which flushes up to a full queue (a 1 s timeout: 0.1 s, as the interval)."""
+    timeout_ms = _timeout_ms(config)
+    if timeout_ms is None or eos.backlog_interval * 10_000 <= timeout_ms:
+        return eos
+    return replace(eos, backlog_interval=timeout_ms / 10_000)
+
+
 def check_interval(config: Mapping[str, str], interval: float) -> None:
     """Refuse a ``--transaction-interval`` that Kafka's transaction timeout cuts short: the
     coordinator aborts a transaction open longer than transaction.timeout.ms, and a relay
     whose every transaction outlives it would replay the same events forever. Half of the
     timeout leaves room for the commit itself."""
-    raw = config.get("transaction.timeout.ms", str(_TRANSACTION_TIMEOUT_MS))
-    try:
-        timeout_ms = int(raw)
-    except ValueError:
-        return  # librdkafka refuses it itself, with its own words, when the producer starts
-    if interval * 1000 > timeout_ms / 2:
+    timeout_ms = _timeout_ms(config)
+    if timeout_ms is not None and interval * 1000 > timeout_ms / 2:
         raise UsageError(
             f"--transaction-interval {interval:g} s is more than half of Kafka's "
             f"transaction.timeout.ms ({timeout_ms} ms), which aborts a transaction open that "

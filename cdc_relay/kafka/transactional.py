@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -35,6 +35,11 @@ from cdc_relay.metrics import KAFKA_TRANSACTION_SECONDS, KAFKA_TRANSACTIONS
 log = logging.getLogger(__name__)
 
 _COMMIT_RETRIES = 10
+_ROOM_WAIT = 0.05  # seconds serving reports before asking again for room in the queue
+_QUEUE_FULL = (
+    "the producer's queue stayed full of the open transaction's events while the checkpoint "
+    "waited for room (Kafka did not acknowledge them)"
+)
 _FATAL_REASON_WAIT = 2.0  # seconds to wait for the reason of a bare "Fatal error"
 
 
@@ -153,10 +158,9 @@ class TransactionalSink(KafkaSink):
         """Commit the open transaction with ``checkpoint``; then its messages are acked."""
         if not self._open:
             return
-        try:
-            self._producer.produce(self._topic, checkpoint.encode(), self._key)
-        except KafkaException as exc:
-            self._fail(exc.args[0])
+        state = self._produce_checkpoint(checkpoint.encode())
+        if state is not None:
+            self._abort_in_commit(state)
         for attempt in range(_COMMIT_RETRIES):
             try:
                 self._producer.commit_transaction(self._timeout)
@@ -168,19 +172,7 @@ class TransactionalSink(KafkaSink):
                 if err.txn_requires_abort():
                     # Kafka refused a message of it (its report came during the commit's
                     # flush): abort, and let the caller replay.
-                    events = self.events
-                    self._in_commit = True
-                    self._refused_in_commit = is_culprit(err)
-                    try:
-                        self.renew()  # serves the reports of the purged messages
-                    finally:
-                        self._in_commit = self._refused_in_commit = False
-                    if events == 1 and len(self._purged) == 1 and is_culprit(err):
-                        # A message alone in its transaction, purged because Kafka refused
-                        # to add its partition (a topic not authorised): the refusal is its
-                        # own, and it is told so (its report said only "purged").
-                        self._on_refused(self._purged[0], err)
-                    raise TransactionAborted(err.str()) from None
+                    self._abort_in_commit(err)
                 self._fail(err)
         self._open = False
         self.events = 0
@@ -190,6 +182,45 @@ class TransactionalSink(KafkaSink):
         tokens, self._appended = self._appended, []
         for token in tokens:
             self._on_ack(token)
+
+    def _produce_checkpoint(self, record: bytes) -> KafkaError | None:
+        """Add the checkpoint record to the open transaction. While the producer's queue is
+        full (of the transaction's own events: a transaction of a backlog may hold more than
+        the queue, and the broker answers slowly), serve delivery reports until there is
+        room, as an offer waits, within the time a commit is given. A report served may be a
+        refusal, after which librdkafka takes nothing more into the transaction: that error
+        is returned, for the commit to abort (no EndTxn(commit) sent, nothing of it on Kafka)."""
+        deadline = time.monotonic() + self._timeout * _COMMIT_RETRIES
+        while True:
+            try:
+                self._producer.produce(self._topic, record, self._key)
+            except BufferError:
+                if time.monotonic() >= deadline:
+                    self._fail(KafkaError(KafkaError._QUEUE_FULL, _QUEUE_FULL))
+                self.poll(_ROOM_WAIT)  # raises if the producer failed for good (fenced)
+            except KafkaException as exc:
+                if exc.args[0].code() == KafkaError._STATE:
+                    return cast(KafkaError, exc.args[0])
+                self._fail(exc.args[0])
+            else:
+                return None
+
+    def _abort_in_commit(self, err: KafkaError) -> NoReturn:
+        """Abort the transaction whose commit Kafka failed with ``err``, and raise
+        TransactionAborted: the caller replays from the checkpoint."""
+        events = self.events
+        self._in_commit = True
+        self._refused_in_commit = is_culprit(err)
+        try:
+            self.renew()  # serves the reports of the purged messages
+        finally:
+            self._in_commit = self._refused_in_commit = False
+        if events == 1 and len(self._purged) == 1 and is_culprit(err):
+            # A message alone in its transaction, purged because Kafka refused to add its
+            # partition (a topic not authorised): the refusal is its own, and it is told so
+            # (its report said only "purged").
+            self._on_refused(self._purged[0], err)
+        raise TransactionAborted(err.str()) from None
 
     def renew(self) -> None:
         """Abort the open transaction: nothing of it becomes visible; its messages are

@@ -31,7 +31,7 @@ import psycopg
 from cdc_relay.errors import DecodeError, RelayError
 from cdc_relay.kafka.checkpoints import KafkaCheckpoints
 from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters, DeadLetterStore
-from cdc_relay.kafka.exactly_once import Committer
+from cdc_relay.kafka.exactly_once import Committer, fitted
 from cdc_relay.kafka.refusals import RefusalPolicy
 from cdc_relay.kafka.routing import Router
 from cdc_relay.kafka.sink import Acked, Refused, kafka_sink
@@ -134,6 +134,8 @@ class StreamRelay:
         # from at start).
         self._transactions: KafkaTransactions | None = None
         eos = settings.exactly_once
+        if eos is not None:
+            eos = fitted(eos, settings.kafka_config)
         made: list[stages.TransactionalSink] = []  # the Protocol: Kafka's, or one injected
 
         def open_kafka(acked: Acked, refused: Refused) -> Sink:

@@ -26,6 +26,7 @@ from cdc_relay.kafka.exactly_once import (
     Skipper,
     Transactions,
     check_interval,
+    fitted,
 )
 from cdc_relay.lsn import Lsn
 
@@ -373,6 +374,22 @@ def test_an_idle_look_counts_for_its_own_transaction_only(monkeypatch: pytest.Mo
     assert not committer.due(idle=False)
     clock.now += 3.0
     assert committer.due(idle=False)
+
+
+@pytest.mark.parametrize(
+    ("config", "backlog_after"),
+    [
+        ({}, BACKLOG_INTERVAL),  # the default 60 s
+        ({"transaction.timeout.ms": "5000"}, 0.5),
+        ({"transaction.timeout.ms": "1000"}, 0.1),  # librdkafka's least: a tenth of it
+        ({"transaction.timeout.ms": "not a number"}, BACKLOG_INTERVAL),  # librdkafka says
+    ],
+)
+def test_a_transaction_of_a_backlog_leaves_most_of_the_transaction_timeout_to_its_commit(
+    config: dict[str, str], backlog_after: float
+) -> None:
+    assert fitted(ExactlyOnce("test"), config).backlog_after == pytest.approx(backlog_after)
+    assert fitted(ExactlyOnce("test", interval=0.3), config).backlog_after >= 0.3
 
 
 def test_the_backlog_interval_is_never_shorter_than_the_interval() -> None:
