@@ -43,7 +43,7 @@ from cdc_relay.lsn import Lsn, format_lsn
 DEFAULT_CHECKPOINT_TOPIC = "cdc_relay.checkpoints"
 # librdkafka's transaction.timeout.ms when the user sets none; the broker aborts a transaction
 # open longer than that.
-_TRANSACTION_TIMEOUT_MS = 60_000
+TRANSACTION_TIMEOUT_MS = 60_000
 # Seconds a Kafka transaction may stay open while the relay drains a backlog, at most a tenth
 # of transaction.timeout.ms (fitted): the rest is left to its commit, which flushes the queue.
 BACKLOG_INTERVAL = 0.5
@@ -78,11 +78,11 @@ class ExactlyOnce:
         return max(self.interval, self.backlog_interval)
 
 
-def _timeout_ms(config: Mapping[str, str]) -> int | None:
+def transaction_timeout_ms(config: Mapping[str, str]) -> int | None:
     """The producer's transaction.timeout.ms; None when not a number (librdkafka refuses it
     itself, with its own words, when the producer starts)."""
     try:
-        return int(config.get("transaction.timeout.ms", str(_TRANSACTION_TIMEOUT_MS)))
+        return int(config.get("transaction.timeout.ms", str(TRANSACTION_TIMEOUT_MS)))
     except ValueError:
         return None
 
@@ -91,7 +91,7 @@ def fitted(eos: ExactlyOnce, config: Mapping[str, str]) -> ExactlyOnce:
     """``eos`` with its backlog interval at most a tenth of the producer's
     transaction.timeout.ms: a transaction of a backlog then leaves most of the timeout to its
     commit, which flushes up to a full queue (a 1 s timeout: 0.1 s, as the interval)."""
-    timeout_ms = _timeout_ms(config)
+    timeout_ms = transaction_timeout_ms(config)
     if timeout_ms is None or eos.backlog_interval * 10_000 <= timeout_ms:
         return eos
     return replace(eos, backlog_interval=timeout_ms / 10_000)
@@ -102,7 +102,7 @@ def check_interval(config: Mapping[str, str], interval: float) -> None:
     coordinator aborts a transaction open longer than transaction.timeout.ms, and a relay
     whose every transaction outlives it would replay the same events forever. Half of the
     timeout leaves room for the commit itself."""
-    timeout_ms = _timeout_ms(config)
+    timeout_ms = transaction_timeout_ms(config)
     if timeout_ms is not None and interval * 1000 > timeout_ms / 2:
         raise UsageError(
             f"--transaction-interval {interval:g} s is more than half of Kafka's "

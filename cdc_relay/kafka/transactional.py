@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (  # type: ignore[attr-defined]
@@ -27,6 +27,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 
 from cdc_relay.errors import DeliveryError, PreflightError
 from cdc_relay.kafka.checkpoints import Checkpoint
+from cdc_relay.kafka.exactly_once import TRANSACTION_TIMEOUT_MS, transaction_timeout_ms
 from cdc_relay.kafka.refusals import is_culprit
 from cdc_relay.kafka.sink import Acked, KafkaSink, Refused
 from cdc_relay.kafka.topics import Topics, client_settings
@@ -75,6 +76,11 @@ class TransactionalSink(KafkaSink):
         self._topic = checkpoint_topic
         self._key = transactional_id.encode()
         self._timeout = timeout  # for a transaction to commit or abort
+        # ... for its checkpoint record to find room in a full queue
+        timeout_ms = transaction_timeout_ms(settings)
+        self._room_wait = min(
+            timeout * _COMMIT_RETRIES, (timeout_ms or TRANSACTION_TIMEOUT_MS) / 1000
+        )
         self._start_timeout = start_timeout  # for a coordinator to set up transactions
         self._appended: list[Any] = []  # tokens of the open transaction Kafka appended
         self._purged: list[Any] = []  # tokens of the open transaction purged, not refused
@@ -158,9 +164,12 @@ class TransactionalSink(KafkaSink):
         """Commit the open transaction with ``checkpoint``; then its messages are acked."""
         if not self._open:
             return
-        state = self._produce_checkpoint(checkpoint.encode())
-        if state is not None:
-            self._abort_in_commit(state)
+        # Refused for the transaction's state (a refusal served while the checkpoint waited
+        # for room took it into librdkafka's abortable state, which takes no more messages):
+        # the commit below is refused at once with the transaction's own error, flagged
+        # abortable (no flush, no EndTxn(commit)), and aborted as such; "Erroneous state"
+        # would hide whether Kafka refused a message, which decides what a failed abort means.
+        self._produce_checkpoint(checkpoint.encode())
         for attempt in range(_COMMIT_RETRIES):
             try:
                 self._producer.commit_transaction(self._timeout)
@@ -183,14 +192,16 @@ class TransactionalSink(KafkaSink):
         for token in tokens:
             self._on_ack(token)
 
-    def _produce_checkpoint(self, record: bytes) -> KafkaError | None:
+    def _produce_checkpoint(self, record: bytes) -> None:
         """Add the checkpoint record to the open transaction. While the producer's queue is
         full (of the transaction's own events: a transaction of a backlog may hold more than
         the queue, and the broker answers slowly), serve delivery reports until there is
-        room, as an offer waits, within the time a commit is given. A report served may be a
-        refusal, after which librdkafka takes nothing more into the transaction: that error
-        is returned, for the commit to abort (no EndTxn(commit) sent, nothing of it on Kafka)."""
-        deadline = time.monotonic() + self._timeout * _COMMIT_RETRIES
+        room, within the commit's time and the transaction's (transaction.timeout.ms, past
+        which the coordinator aborts it). The loop does not tick meanwhile, as it does not
+        while commit_transaction flushes. A report served may be a refusal, after which
+        librdkafka takes nothing more into the transaction (Local: Erroneous state): then the
+        record is left out, and the commit says why."""
+        deadline = time.monotonic() + self._room_wait
         while True:
             try:
                 self._producer.produce(self._topic, record, self._key)
@@ -199,11 +210,11 @@ class TransactionalSink(KafkaSink):
                     self._fail(KafkaError(KafkaError._QUEUE_FULL, _QUEUE_FULL))
                 self.poll(_ROOM_WAIT)  # raises if the producer failed for good (fenced)
             except KafkaException as exc:
-                if exc.args[0].code() == KafkaError._STATE:
-                    return cast(KafkaError, exc.args[0])
-                self._fail(exc.args[0])
+                if exc.args[0].code() != KafkaError._STATE:
+                    self._fail(exc.args[0])
+                return
             else:
-                return None
+                return
 
     def _abort_in_commit(self, err: KafkaError) -> NoReturn:
         """Abort the transaction whose commit Kafka failed with ``err``, and raise

@@ -172,6 +172,8 @@ class KafkaTransactions:
         try:
             eos.commit()
         except TransactionAborted as exc:
+            if stopping:
+                return  # no rewind while stopping: the replay after a restart meets it again
             if self._rewinds.pending:
                 raise Rewind from None
             raise ConnectionLost(f"Kafka aborted the transaction ({exc}); replaying") from None

@@ -193,6 +193,11 @@ class Producer:
         self.registered, self.pending = set(), set()
 
     def commit_transaction(self, timeout: float = -1) -> None:
+        if self.fatal is None and self.state == "AbortableError":
+            # begin_commit refuses at once with the transaction's error, flagged abortable
+            raise KafkaException(
+                KafkaError(KafkaError._INCONSISTENT, "transaction failed", txn_requires_abort=True)
+            )
         self._require("InTransaction")
         self._wait()  # commit flushes first
         self._serve()

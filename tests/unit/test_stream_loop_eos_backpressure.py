@@ -1,7 +1,8 @@
 """Exactly once against a full producer queue: the broker stalls while the relay drains a
 backlog, and the queue (queue.buffering.max.messages) fills with the open transaction's own
-events; a commit due then must wait for room for its checkpoint record, as the relay's offers
-do, and lose nothing (ARCHITECTURE.md, invariant 6: liveness under back-pressure).
+events; a commit due then must wait for room for its checkpoint record (as commit_transaction
+waits for the queue to flush), lose nothing, and meet a refusal served meanwhile as a commit
+does: an abort and a replay, or, while stopping, the stop.
 
 The relay's loop and Kafka's sink run for real on memory_producer's model of librdkafka, with
 librdkafka's bounded queue (produce raises BufferError when full) and a broker that answers
@@ -10,11 +11,12 @@ nothing for a while after the first event.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import pytest
-from confluent_kafka import KafkaError
+from confluent_kafka import KafkaError, KafkaException
 from memory_producer import Coordinator, Producer
 from simulation import Writer
 from test_stream_loop import Wal, backlog
@@ -183,3 +185,152 @@ def test_a_refusal_served_while_the_checkpoint_waits_for_room_aborts_the_commit(
     assert refused[:1] == [0]  # Kafka's refusal, told; then the abort's purge
     assert kafka.ids() == []  # nothing of the transaction is visible
     assert sink.aborted == 1
+
+
+def unauthorised_topic(capacity: int) -> type[Producer]:
+    class Unauthorised(Producer):
+        """librdkafka with a queue of ``capacity``; Kafka answers the AddPartitionsToTxn of
+        topic "x" late (a broker stall) with TOPIC_AUTHORIZATION_FAILED: librdkafka then takes
+        the transaction into its abortable state with that error and purges its queue; its
+        request stays counted (txn_req_cnt)."""
+
+        stalled = 0
+        txn_err: int | None = None
+
+        def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+            if self.state == "InTransaction" and len(self) >= capacity:
+                raise BufferError("Local: Queue full")
+            super().produce(topic, *args, **kwargs)
+
+        def _register(self) -> None:
+            if any(t == "x" for t, _ in self.pending):
+                if not self.stalled:
+                    self.txn_req_cnt += 1  # sent, answered later
+                self.stalled += 1
+                return
+            super()._register()
+
+        def _wait(self) -> None:
+            if self.stalled and self.state == "InTransaction":
+                self.stalled += 1
+                if self.stalled > 3:  # Kafka answers
+                    self.txn_err = KafkaError.TOPIC_AUTHORIZATION_FAILED
+                    self.state = "AbortableError"
+                    self.pending = set()
+                    self.purge()
+                    return
+            super()._wait()
+
+        def begin_transaction(self) -> None:
+            super().begin_transaction()
+            self.stalled, self.txn_err = 0, None
+
+        def commit_transaction(self, timeout: float = -1) -> None:
+            if self.state == "InTransaction":
+                self._wait()
+                self._serve()
+            if self.state == "AbortableError":  # begin_commit refuses with the reason
+                raise KafkaException(
+                    KafkaError(
+                        self.txn_err,
+                        "Failed to add partition(s) to transaction",
+                        txn_requires_abort=True,
+                    )
+                )
+            super().commit_transaction(timeout)
+
+    return Unauthorised
+
+
+@pytest.mark.parametrize("capacity", [100, 3])  # the checkpoint at once, or after a wait
+def test_a_topic_refused_late_aborts_the_commit_for_a_replay_whether_the_queue_was_full(
+    monkeypatch: pytest.MonkeyPatch, capacity: int
+) -> None:
+    """Kafka refuses to add a partition of a topic the relay may not write, late: the abort
+    then meets a coordinator that holds no transaction open (INVALID_TXN_STATE), which is
+    safe to go on from only when the commit failed on that refusal. A queue full when the
+    refusal came must not hide it behind librdkafka's "Erroneous state"."""
+    kafka = Kafka()
+    coordinator = Coordinator(kafka, CHECKPOINTS)
+    cls = unauthorised_topic(capacity)
+    monkeypatch.setattr(kafka_sink, "Producer", lambda config: cls(coordinator, config))
+    sink = real_sink(kafka, lambda token: None, lambda token, err: None)
+    sink.initialise()
+    assert sink.offer(Message("t", b"0", b"k", []), 0)
+    sink.commit(Checkpoint())  # a first transaction commits
+    for n in range(1, 4):  # the next one's events all go to "x"
+        assert sink.offer(Message("x", str(n).encode(), b"k", []), n)
+
+    with pytest.raises(TransactionAborted):  # a replay, not a stop
+        sink.commit(Checkpoint())
+    assert ("EndTxn(abort)", "INVALID_TXN_STATE") in coordinator.answers
+
+
+@pytest.mark.parametrize("capacity", [20, 1000])  # the stop's commit waits for room, or not
+def test_a_refusal_during_the_stopping_commit_does_not_escape_the_stop(
+    monkeypatch: pytest.MonkeyPatch, capacity: int
+) -> None:
+    """Kafka refuses an event while the graceful stop commits: the stop goes on (no rewind
+    while stopping; the replay after a restart meets the refusal again), nothing is visible
+    twice or out of order."""
+    monkeypatch.setattr(stream, "_TICK", 0.0)
+    kafka = Kafka()
+    coordinator = Coordinator(kafka, CHECKPOINTS)
+    until: list[float] = []
+    relays: list[Any] = []
+    refused: list[bool] = []
+
+    class StallThenRefuse(Producer):
+        def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+            if self.state == "InTransaction" and len(self) >= 20 and topic != CHECKPOINTS:
+                relays[0].request_stop()
+            if self.state == "InTransaction" and len(self) >= capacity:
+                raise BufferError("Local: Queue full")
+            if topic != CHECKPOINTS and not until:
+                until.append(time.monotonic() + 1.0)
+            super().produce(topic, *args, **kwargs)
+
+        def _left(self) -> float:
+            return max(0.0, until[0] - time.monotonic()) if until else 0.0
+
+        def _send(self) -> None:
+            if self._left():
+                return
+            if (
+                not refused
+                and self.state == "InTransaction"
+                and any(q.message.topic != CHECKPOINTS for q in self.queue)
+            ):
+                refused.append(True)
+                first, *rest = self.queue
+                self.queue = []
+                self.reports.append((first, KafkaError(KafkaError.INVALID_RECORD)))
+                self.reports.extend((q, KafkaError(KafkaError._PURGE_QUEUE)) for q in rest)
+                self.state = "AbortableError"  # librdkafka: abortable at once, queue purged
+                return
+            super()._send()
+
+        def poll(self, timeout: float = -1) -> int:
+            if timeout and self._left():
+                time.sleep(min(timeout, self._left()))
+            return super().poll(timeout)
+
+        def commit_transaction(self, timeout: float = -1) -> None:
+            time.sleep(self._left())  # librdkafka's commit flushes first
+            super().commit_transaction(timeout)
+
+        def flush(self, timeout: float = -1) -> int:
+            if timeout and self._left():
+                time.sleep(min(timeout, self._left()))
+            return super().flush(timeout)
+
+    monkeypatch.setattr(kafka_sink, "Producer", lambda config: StallThenRefuse(coordinator, config))
+    wal = Wal(backlog())
+    relay, _ = eos_relay(wal, kafka, max_events=50, sink=real_sink, interval=0.1)
+    relay.settings = dataclasses.replace(relay.settings, shutdown_timeout=5.0)
+    relays.append(relay)
+
+    relay.stream(wal.tables)  # a graceful stop: returns
+
+    assert refused
+    assert kafka.ids() == wal.event_ids[: len(kafka.ids())]
