@@ -47,40 +47,51 @@ class Broker:
         return 0.0 if self.until is None else max(0.0, self.until - time.monotonic())
 
 
+class Stalled(Producer):
+    """memory_producer's librdkafka with librdkafka's bounded queue (BufferError once it holds
+    ``capacity`` messages), on a ``broker`` that answers nothing while it stalls."""
+
+    capacity = 20
+    broker = Broker(0.0)
+
+    def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
+        if self.state == "InTransaction" and len(self) >= self.capacity:
+            raise BufferError("Local: Queue full")
+        if topic != CHECKPOINTS:
+            self.broker.start()
+        super().produce(topic, *args, **kwargs)
+
+    def _send(self) -> None:
+        if not self.broker.left():  # while it stalls, nothing is sent and no report comes
+            super()._send()
+
+    def poll(self, timeout: float = -1) -> int:
+        if timeout and self.broker.left():
+            time.sleep(min(timeout, self.broker.left()))
+        return super().poll(timeout)
+
+    def flush(self, timeout: float = -1) -> int:
+        if timeout and self.broker.left():
+            time.sleep(min(timeout, self.broker.left()))
+        return super().flush(timeout)
+
+    def commit_transaction(self, timeout: float = -1) -> None:
+        time.sleep(self.broker.left())  # librdkafka's commit flushes first: it waits
+        super().commit_transaction(timeout)
+
+
 def stalling_producers(
-    monkeypatch: pytest.MonkeyPatch, kafka: Kafka, capacity: int, stall: float
+    monkeypatch: pytest.MonkeyPatch,
+    kafka: Kafka,
+    capacity: int,
+    stall: float,
+    kind: type[Stalled] = Stalled,
 ) -> None:
-    """The sink's producers hold at most ``capacity`` messages, and the broker stalls."""
+    """The sink's producers are ``kind``, holding at most ``capacity`` messages, on a broker
+    that stalls for ``stall`` seconds from the first event."""
     coordinator = Coordinator(kafka, CHECKPOINTS)
-    broker = Broker(stall)
-
-    class Bounded(Producer):
-        def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
-            if len(self) >= capacity:
-                raise BufferError("Local: Queue full")
-            if topic != CHECKPOINTS:
-                broker.start()
-            super().produce(topic, *args, **kwargs)
-
-        def _send(self) -> None:
-            if not broker.left():  # while it stalls, nothing is sent and no report comes
-                super()._send()
-
-        def poll(self, timeout: float = -1) -> int:
-            if timeout and broker.left():
-                time.sleep(min(timeout, broker.left()))
-            return super().poll(timeout)
-
-        def flush(self, timeout: float = -1) -> int:
-            if timeout and broker.left():
-                time.sleep(min(timeout, broker.left()))
-            return super().flush(timeout)
-
-        def commit_transaction(self, timeout: float = -1) -> None:
-            time.sleep(broker.left())  # librdkafka's commit flushes first: it waits
-            super().commit_transaction(timeout)
-
-    monkeypatch.setattr(kafka_sink, "Producer", lambda config: Bounded(coordinator, config))
+    made = type("Made", (kind,), {"capacity": capacity, "broker": Broker(stall)})
+    monkeypatch.setattr(kafka_sink, "Producer", lambda config: made(coordinator, config))
 
 
 @pytest.mark.parametrize("max_events", [10, 50])  # transactions below and above the queue
@@ -275,26 +286,17 @@ def test_a_refusal_during_the_stopping_commit_does_not_escape_the_stop(
     twice or out of order."""
     monkeypatch.setattr(stream, "_TICK", 0.0)
     kafka = Kafka()
-    coordinator = Coordinator(kafka, CHECKPOINTS)
-    until: list[float] = []
     relays: list[Any] = []
     refused: list[bool] = []
 
-    class StallThenRefuse(Producer):
+    class StallThenRefuse(Stalled):
         def produce(self, topic: str, *args: Any, **kwargs: Any) -> None:
             if self.state == "InTransaction" and len(self) >= 20 and topic != CHECKPOINTS:
                 relays[0].request_stop()
-            if self.state == "InTransaction" and len(self) >= capacity:
-                raise BufferError("Local: Queue full")
-            if topic != CHECKPOINTS and not until:
-                until.append(time.monotonic() + 1.0)
             super().produce(topic, *args, **kwargs)
 
-        def _left(self) -> float:
-            return max(0.0, until[0] - time.monotonic()) if until else 0.0
-
         def _send(self) -> None:
-            if self._left():
+            if self.broker.left():
                 return
             if (
                 not refused
@@ -310,21 +312,7 @@ def test_a_refusal_during_the_stopping_commit_does_not_escape_the_stop(
                 return
             super()._send()
 
-        def poll(self, timeout: float = -1) -> int:
-            if timeout and self._left():
-                time.sleep(min(timeout, self._left()))
-            return super().poll(timeout)
-
-        def commit_transaction(self, timeout: float = -1) -> None:
-            time.sleep(self._left())  # librdkafka's commit flushes first
-            super().commit_transaction(timeout)
-
-        def flush(self, timeout: float = -1) -> int:
-            if timeout and self._left():
-                time.sleep(min(timeout, self._left()))
-            return super().flush(timeout)
-
-    monkeypatch.setattr(kafka_sink, "Producer", lambda config: StallThenRefuse(coordinator, config))
+    stalling_producers(monkeypatch, kafka, capacity, stall=1.0, kind=StallThenRefuse)
     wal = Wal(backlog())
     relay, _ = eos_relay(wal, kafka, max_events=50, sink=real_sink, interval=0.1)
     relay.settings = dataclasses.replace(relay.settings, shutdown_timeout=5.0)
