@@ -313,10 +313,10 @@ def test_a_huge_transaction_streams_through_many_kafka_transactions_in_bounded_m
     """One PostgreSQL transaction of BIG events (200,000 by default): the relay splits it
     into Kafka transactions of at most ExactlyOnce.max_events (50,000) events, each committed
     with a checkpoint in the middle of the PostgreSQL transaction, so no Kafka transaction
-    lives long (the producer's
-    transaction.timeout.ms is cut to 10 s here: a relay holding one Kafka transaction for the
-    whole PostgreSQL one would be aborted by the broker) and the relay's memory does not grow
-    with the transaction. A read_committed consumer sees every event once, in order."""
+    lives long (the producer's transaction.timeout.ms is cut to 10 s here: a relay holding one
+    Kafka transaction for the whole PostgreSQL one would be aborted by the broker) and the
+    relay's memory does not grow with the transaction. A read_committed consumer sees every
+    event once, in order."""
     setup_slot(outbox_db, names)
     (port,) = free_ports(1)
     relay = eos_relay(
