@@ -181,7 +181,19 @@ class TransactionalSink(KafkaSink):
                 if err.txn_requires_abort():
                     # Kafka refused a message of it (its report came during the commit's
                     # flush): abort, and let the caller replay.
-                    self._abort_in_commit(err)
+                    events = self.events
+                    self._in_commit = True
+                    self._refused_in_commit = is_culprit(err)
+                    try:
+                        self.renew()  # serves the reports of the purged messages
+                    finally:
+                        self._in_commit = self._refused_in_commit = False
+                    if events == 1 and len(self._purged) == 1 and is_culprit(err):
+                        # A message alone in its transaction, purged because Kafka refused
+                        # to add its partition (a topic not authorised): the refusal is its
+                        # own, and it is told so (its report said only "purged").
+                        self._on_refused(self._purged[0], err)
+                    raise TransactionAborted(err.str()) from None
                 self._fail(err)
         self._open = False
         self.events = 0
@@ -215,23 +227,6 @@ class TransactionalSink(KafkaSink):
                 return
             else:
                 return
-
-    def _abort_in_commit(self, err: KafkaError) -> NoReturn:
-        """Abort the transaction whose commit Kafka failed with ``err``, and raise
-        TransactionAborted: the caller replays from the checkpoint."""
-        events = self.events
-        self._in_commit = True
-        self._refused_in_commit = is_culprit(err)
-        try:
-            self.renew()  # serves the reports of the purged messages
-        finally:
-            self._in_commit = self._refused_in_commit = False
-        if events == 1 and len(self._purged) == 1 and is_culprit(err):
-            # A message alone in its transaction, purged because Kafka refused to add its
-            # partition (a topic not authorised): the refusal is its own, and it is told so
-            # (its report said only "purged").
-            self._on_refused(self._purged[0], err)
-        raise TransactionAborted(err.str()) from None
 
     def renew(self) -> None:
         """Abort the open transaction: nothing of it becomes visible; its messages are
