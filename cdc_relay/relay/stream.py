@@ -59,6 +59,7 @@ from cdc_relay.relay import stages
 from cdc_relay.relay.backoff import RECONNECT_MAX, reconnect_delay
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
+from cdc_relay.relay.linger import HOLD, send_if_quiet
 from cdc_relay.relay.losses import Losses
 from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
@@ -319,13 +320,21 @@ class StreamRelay:
         # Delivery reports, status updates and the watcher's verdict are looked at every
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
         # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
-        # nor the status interval.
+        # nor the status interval. Without exactly once, the tick also looks, linger.HOLD
+        # after the first message since its last look (``due``), whether the stream is quiet
+        # enough that what the producer holds should go now (linger.py).
         next_tick = 0.0
         transactions = self._transactions
+        lingers = transactions is None  # exactly once's commits send what it holds
+        due = 0.0
         timeout = _READ_TIMEOUT
         while not self._stop:
             if transactions is not None:  # exactly once: as long as a transaction may wait
                 timeout = transactions.read_timeout(_READ_TIMEOUT)
+            elif due:
+                timeout = max(0.0, due - time.monotonic())
+            else:
+                timeout = _READ_TIMEOUT
             message = conn.read(timeout)
             if message is None or isinstance(message, Keepalive):
                 next_tick = 0.0
@@ -347,14 +356,23 @@ class StreamRelay:
                     ) from None
                 for record in records:
                     handle(record)
-                if time.monotonic() < next_tick:
+                now = time.monotonic()
+                if lingers and not due:
+                    due = now + HOLD
+                    next_tick = min(next_tick, due)
+                if now < next_tick:
                     continue
+            if due and time.monotonic() >= due:
+                send_if_quiet(self.sink)
+                due = 0.0
             serve(0)
             self._caught_up = conn.caught_up
             self._send_status()
             if self._watcher is not None and self._watcher.problem is not None:
                 raise RelayError(self._watcher.problem)
             next_tick = time.monotonic() + _TICK
+            if due:
+                next_tick = min(next_tick, due)
 
     def _maybe_commit(self) -> None:
         """Exactly once: commit when the transaction is old or large enough, or old enough

@@ -18,6 +18,7 @@ from relaytools import (
     Writer,
     check,
     consume,
+    create_topics,
     pending_inserts,
     relay_env,
     setup_slot,
@@ -335,6 +336,36 @@ def test_sigterm_waits_for_acks_confirms_and_exits_zero(
     assert "stopped" in relay.log()
     assert relay.stop() == 0
     assert pending_inserts(outbox_db, names.slot, names.publication) == 0
+
+
+def test_a_quiet_stream_does_not_wait_out_linger_ms(
+    tmp_path: Path, outbox_db: str, kafka_service: Any, names: Any
+) -> None:
+    """With librdkafka holding each batch open for a minute, the events of a quiet stream
+    still reach Kafka well within it: the relay sends them once the first has waited
+    linger.HOLD (cdc_relay/relay/linger.py). Not a timing test: the bound is the minute."""
+    setup_slot(outbox_db, names)
+    # Made beforehand: the first event of a topic Kafka makes on demand waits for its
+    # partitions, and then for linger.ms (the relay looks once per quiet moment).
+    create_topics(kafka_service.bootstrap, {f"{names.topic_prefix}.order": {}})
+    env = relay_env(outbox_db, kafka_service.bootstrap, names, kafka_config="linger.ms=60000")
+    relay = RelayProcess(tmp_path, env)
+    try:
+        relay.start()
+        wait_slot(outbox_db, names.slot, active=True)
+        writer = Writer(outbox_db)
+        for i in range(3):  # one at a time, each after the last arrived
+            writer.transaction([("order", f"quiet{i}", {"i": i})])
+            received = consume(
+                kafka_service.bootstrap, names.topic_prefix, expected=i + 1, timeout=30, settle=0
+            )
+            assert len(received) == i + 1
+        writer.close()
+        verdict = check(writer.written, received, names.topic_prefix)
+        assert verdict.lost == [] and verdict.out_of_order == []
+        assert relay.stop() == 0
+    finally:
+        relay.close()
 
 
 def test_unreachable_broker_is_a_one_line_error(outbox_db: str, names: Any) -> None:
