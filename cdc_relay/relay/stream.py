@@ -320,13 +320,16 @@ class StreamRelay:
         # Delivery reports, status updates and the watcher's verdict are looked at every
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
         # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
-        # nor the status interval. Without exactly once, the tick also looks, linger.HOLD
-        # after the first message since its last look (``due``), whether the stream is quiet
-        # enough that what the producer holds should go now (linger.py).
+        # nor the status interval. Without exactly once, the first tick linger.HOLD after the
+        # first message since its last look (``due``; the read waits no longer) also looks
+        # whether the stream is quiet enough that what the producer holds should go now
+        # (linger.py).
         next_tick = 0.0
         transactions = self._transactions
         lingers = transactions is None  # exactly once's commits send what it holds
         due = 0.0
+        progress = self.progress
+        looked, looked_at = progress.events, time.monotonic()  # at linger's last look
         timeout = _READ_TIMEOUT
         while not self._stop:
             if transactions is not None:  # exactly once: as long as a transaction may wait
@@ -359,20 +362,17 @@ class StreamRelay:
                 now = time.monotonic()
                 if lingers and not due:
                     due = now + HOLD
-                    next_tick = min(next_tick, due)
                 if now < next_tick:
                     continue
-            if due and time.monotonic() >= due:
-                send_if_quiet(self.sink)
-                due = 0.0
+            if due and (now := time.monotonic()) >= due:
+                send_if_quiet(self.sink, progress.events - looked, now - looked_at)
+                due, looked, looked_at = 0.0, progress.events, now
             serve(0)
             self._caught_up = conn.caught_up
             self._send_status()
             if self._watcher is not None and self._watcher.problem is not None:
                 raise RelayError(self._watcher.problem)
             next_tick = time.monotonic() + _TICK
-            if due:
-                next_tick = min(next_tick, due)
 
     def _maybe_commit(self) -> None:
         """Exactly once: commit when the transaction is old or large enough, or old enough

@@ -77,6 +77,7 @@ PREFIX = "outbox"
 TOO_LARGE = KafkaError.MSG_SIZE_TOO_LARGE  # the event's own: the culprit
 TIMED_OUT = KafkaError._MSG_TIMED_OUT  # not about the event: a later try
 STEP = 0.001  # virtual seconds each call of a stage takes
+LINGER = 0.010  # virtual seconds librdkafka holds a batch open (linger.ms, sink.py)
 
 
 class VirtualClock:
@@ -453,7 +454,11 @@ class SimConnection(Connection):
 
 class SimSink(Sink):
     """At least once: test_stream_loop's sink, whose every acknowledged message is in the
-    world's log; each call a step."""
+    world's log; each call a step. As librdkafka under ``linger.ms``, a poll reports nothing
+    until the oldest message held has waited ``LINGER``; a flush (``settle``) sends at once,
+    so reports also come inside the stream loop's look at a quiet stream (linger.py)."""
+
+    first_held = 0.0  # when the oldest message held was offered
 
     def __init__(self, process: Process, on_ack: Any, on_refused: Any) -> None:
         super().__init__(on_ack, on_refused, CLOCK)
@@ -472,13 +477,16 @@ class SimSink(Sink):
         if message.topic != DEAD and self.process.world.client_refuses.get(event_id(message)):
             self.on_refused(token, KafkaError(TOO_LARGE))  # larger than message.max.bytes
             return True
+        if not self.queue:
+            self.first_held = CLOCK.monotonic()
         return super().offer(message, token)
 
     def poll(self, timeout: float) -> None:
         if self.process.dead:
             return
         self.process.step("poll")
-        self.hold_all = self.process.stalled()
+        lingering = bool(self.queue) and CLOCK.monotonic() - self.first_held < LINGER
+        self.hold_all = self.process.stalled() or lingering
         super().poll(timeout)
 
     def settle(self, timeout: float) -> None:

@@ -8,11 +8,15 @@ against a real broker (tests/integration/test_stream.py, a ``linger.ms`` of a mi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
-from test_stream_loop import Sink, Wal, acked_ids, backlog, relay_on
+import pytest
+from confluent_kafka import KafkaError
+from test_stream_loop import DEAD, Letters, Sink, Wal, acked_ids, backlog, first_seen, relay_on
 
+from cdc_relay.errors import DeliveryError
 from cdc_relay.relay import linger
 from cdc_relay.relay.stream import StreamRelay
 
@@ -44,8 +48,8 @@ def transactions(count: int) -> list[bytes]:
     return raw[: commits[count - 1] + 1]
 
 
-def lingering_relay(wal: Wal) -> tuple[StreamRelay, Lingering]:
-    relay, _ = relay_on(wal)
+def lingering_relay(wal: Wal, **settings: Any) -> tuple[StreamRelay, Lingering]:
+    relay, _ = relay_on(wal, **settings)
     sink = Lingering(relay.pipeline._acked, relay.pipeline._refused)
     relay.pipeline.sink = relay.sink = sink
     return relay, sink
@@ -74,38 +78,129 @@ def test_a_quiet_stream_is_sent_once_its_first_event_waited_hold() -> None:
 
     sent = run_until_idle(relay, sink, wal)
 
-    assert len(wal.event_ids) < linger.QUIET
+    assert len(wal.event_ids) < linger.QUIET * linger.HOLD
     assert sent == wal.event_ids, "the quiet stream's events waited for linger.ms"
     assert sink.settled[0] == len(wal.event_ids)
 
 
 def test_a_busy_stream_is_left_to_linger_ms_and_loses_nothing() -> None:
-    wal = Wal(transactions(5))
+    wal = Wal(backlog())  # 500 events read at once: far above linger.QUIET events/s
     relay, sink = lingering_relay(wal)
 
     sent = run_until_idle(relay, sink, wal)
 
-    assert len(wal.event_ids) >= linger.QUIET
     assert sent == [], "a busy stream's batches were sent before they filled"
     assert acked_ids(sink) == wal.event_ids  # the graceful stop's flush sent them, in order
 
 
-def test_each_quiet_transaction_is_sent_in_its_own_look() -> None:
-    first, *rest = (transactions(n)[len(transactions(n - 1)) if n > 1 else 0 :] for n in (1, 2, 3))
-    wal = Wal(first)
-    relay, sink = lingering_relay(wal)
+# Delivery reports served inside the look's flush, not in the loop's poll (a no-context review
+# of the look): what the refusal policy, the LSN rule and the status updates make of them.
+
+
+def run_quiet(relay: StreamRelay, sink: Lingering, wal: Wal, then: list[list[bytes]]) -> None:
+    """Stream ``wal``, writing each of ``then`` once the producer is empty, and stop once it
+    is empty after the last (or when the relay stops by itself)."""
 
     def on_idle() -> None:
         if sink.queue:
-            return  # not sent yet: without the look, never (poll sends nothing here)
-        if rest:
-            wal.write(rest.pop(0))  # the next transaction commits once the last was sent
+            return
+        if then:
+            wal.write(then.pop(0), end=wal.end)
         else:
             relay.request_stop()
 
     wal.on_idle = on_idle
     relay.stream(wal.tables)
 
+
+def first_and_second() -> tuple[list[bytes], list[bytes]]:
+    first = transactions(1)
+    return first, transactions(2)[len(first) :]
+
+
+def test_a_refusal_served_in_the_look_rewinds_and_the_culprit_alone_stops_the_relay() -> None:
+    first, second = first_and_second()
+    wal = Wal(first)
+    relay, sink = lingering_relay(wal)
+    culprit = Wal(first + second).event_ids[13]  # the fourth event of the second transaction
+    sink.poison[culprit] = KafkaError.MSG_SIZE_TOO_LARGE
+
+    with pytest.raises(DeliveryError) as failure:
+        run_quiet(relay, sink, wal, [second])
+
+    assert culprit in str(failure.value)
+    sizes = [size for refused, _, size in sink.refused if refused == culprit]
+    assert sizes[0] == 10  # refused in the look's batch: a suspect
+    assert sizes[-1] == 1  # then alone: the culprit
+    assert first_seen(acked_ids(sink)) == wal.event_ids[:13]
+    assert max(wal.flushed()) < wal.end_of(culprit)
+
+
+def test_a_culprit_refused_in_the_look_is_dead_lettered_and_the_stream_goes_on() -> None:
+    first, second = first_and_second()
+    wal = Wal(first)
+    relay, sink = lingering_relay(wal, dead_letter_topic=DEAD)
+    culprit = Wal(first + second).event_ids[13]
+    sink.poison[culprit] = KafkaError.MSG_SIZE_TOO_LARGE
+
+    run_quiet(relay, sink, wal, [second])
+
+    assert isinstance(relay.dead_letters, Letters)
+    assert relay.dead_letters.stored == [(culprit, KafkaError.MSG_SIZE_TOO_LARGE)]
+    assert first_seen(acked_ids(sink)) == wal.event_ids
+    assert wal.flushed()[-1] == wal.units[-1][0]
+
+
+def test_with_the_broker_away_a_quiet_stream_is_looked_at_once_and_status_updates_go_on() -> None:
+    wal = Wal(transactions(1))
+    relay, sink = lingering_relay(wal)
+    sink.hold.update(wal.event_ids)  # nothing answered
+    looks = 0
+    flushes: list[int] = []
+
+    def on_idle() -> None:
+        nonlocal looks
+        looks += 1
+        if looks == 200:
+            flushes.append(len(sink.settled))
+            relay.request_stop()
+
+    wal.on_idle = on_idle
+    began = time.monotonic()
+    relay.stream(wal.tables)
+
+    assert flushes == [1]  # one look per burst: none while nothing new is read
+    assert len(wal.statuses) >= 5  # invariant 6
+    assert max(wal.flushed(), default=0) == 0  # nothing confirmed
+    assert time.monotonic() - began < 5
+
+
+def test_a_connection_lost_while_a_look_is_due_replays_and_loses_nothing() -> None:
+    wal = Wal(transactions(1))
+    relay, sink = lingering_relay(wal)
+    wal.lose_after = 7  # inside the transaction: events offered, the look due
+
+    def on_idle() -> None:
+        if not sink.queue and set(acked_ids(sink)) == set(wal.event_ids):
+            relay.request_stop()
+
+    wal.on_idle = on_idle
+    relay.stream(wal.tables)
+
+    assert len(wal.starts) == 2
+    assert first_seen(acked_ids(sink)) == wal.event_ids
+    assert wal.flushed()[-1] == wal.end
+
+
+def test_each_quiet_transaction_is_sent_in_its_own_look() -> None:
+    first, second = first_and_second()
+    third = transactions(3)[len(first) + len(second) :]
+    wal = Wal(first)
+    relay, sink = lingering_relay(wal)
+
+    run_quiet(relay, sink, wal, [second, third])  # each written once the last was sent
+
     assert acked_ids(sink) == wal.event_ids
     assert len(wal.event_ids) == 30
     assert sink.settled[:3] == [10, 10, 10]
+    assert wal.flushed()[-1] == wal.units[-1][0]
