@@ -4,7 +4,7 @@ librdkafka holds each partition's batch open for ``linger.ms`` (10 ms, the relay
 that a busy stream sends full batches. It sends one partition's batch per produce request, and
 the relay's idempotent producer one request at a time to a broker (``max.in.flight=1``,
 sink.py), so the last partition of a quiet stream waits ``linger.ms`` and then a round trip for
-each partition before it: at 5,000 events/s, p99 was 11.6 to 12.4 ms (bench/README.md, "A quiet
+each partition before it: at 5,000 events/s, p99 was 11.6 to 15.5 ms (bench/README.md, "A quiet
 stream does not wait out linger.ms").
 
 So the stream loop notes when the first message since its last look came, and looks at its
