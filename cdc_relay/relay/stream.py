@@ -59,7 +59,7 @@ from cdc_relay.relay import stages
 from cdc_relay.relay.backoff import RECONNECT_MAX, reconnect_delay
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
-from cdc_relay.relay.linger import HOLD, send_if_quiet
+from cdc_relay.relay.linger import HOLD, quiet, send_if_quiet
 from cdc_relay.relay.losses import Losses
 from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
@@ -321,9 +321,8 @@ class StreamRelay:
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
         # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
         # nor the status interval. Without exactly once, the first tick linger.HOLD after the
-        # first message since its last look (``due``; the read waits no longer) also looks
-        # whether the stream is quiet enough that what the producer holds should go now
-        # (linger.py).
+        # first message since its last look (``due``; a read waits no longer) also sends what
+        # the producer holds if the stream is quiet (linger.py).
         next_tick = 0.0
         transactions = self._transactions
         lingers = transactions is None  # exactly once's commits send what it holds
@@ -365,8 +364,9 @@ class StreamRelay:
                 if now < next_tick:
                     continue
             if due and (now := time.monotonic()) >= due:
-                send_if_quiet(self.sink, progress.events - looked, now - looked_at)
-                due, looked, looked_at = 0.0, progress.events, now
+                sent, seconds = progress.events - looked, now - looked_at
+                send_if_quiet(self.sink, quiet(conn.caught_up, sent, seconds))
+                due, looked, looked_at = 0.0, progress.events, time.monotonic()
             serve(0)
             self._caught_up = conn.caught_up
             self._send_status()

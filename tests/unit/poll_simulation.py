@@ -281,6 +281,7 @@ class PollWorld:
 
     batch_size: int = 4
     capacity: int = 1_000
+    linger: bool = False  # the producer holds its batches for linger.ms (simulation.SimSink)
     outbox: MemoryOutbox = field(default_factory=MemoryOutbox)
     log: list[Message] = field(default_factory=list)  # what reached Kafka
     claims: Counter[str] = field(default_factory=Counter)  # times a row was claimed

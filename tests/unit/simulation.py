@@ -454,9 +454,10 @@ class SimConnection(Connection):
 
 class SimSink(Sink):
     """At least once: test_stream_loop's sink, whose every acknowledged message is in the
-    world's log; each call a step. As librdkafka under ``linger.ms``, a poll reports nothing
-    until the oldest message held has waited ``LINGER``; a flush (``settle``) sends at once,
-    so reports also come inside the stream loop's look at a quiet stream (linger.py)."""
+    world's log; each call a step. While the world lingers, as librdkafka under
+    ``linger.ms``, a poll reports nothing until the oldest message held has waited
+    ``LINGER``; a flush (``settle``) sends at once, so reports also come inside the stream
+    loop's look at a quiet stream (linger.py)."""
 
     first_held = 0.0  # when the oldest message held was offered
 
@@ -485,7 +486,11 @@ class SimSink(Sink):
         if self.process.dead:
             return
         self.process.step("poll")
-        lingering = bool(self.queue) and CLOCK.monotonic() - self.first_held < LINGER
+        lingering = (
+            self.process.world.linger
+            and bool(self.queue)
+            and CLOCK.monotonic() - self.first_held < LINGER
+        )
         self.hold_all = self.process.stalled() or lingering
         super().poll(timeout)
 
@@ -917,6 +922,7 @@ class World:
     trace: list[str] = field(default_factory=list)  # what happened, for a failure's report
     failure: str | None = None  # the first promise broken
     processes: int = 0
+    linger: bool = False  # the producer holds its batches for LINGER (SimSink)
 
     def __post_init__(self) -> None:
         if self.settings.shards:

@@ -168,6 +168,12 @@ class Simulation(RuleBasedStateMachine):
         else:
             self.schedule().append((during, KeepaliveSent(reply)))
 
+    @rule(on=st.booleans())
+    def linger(self, on: bool) -> None:
+        """From now on the producer holds its batches for linger.ms (a poll reports nothing
+        until then, a flush sends at once), or sends each at once."""
+        self.world.linger = on
+
     @rule(data=st.data())
     def fault(self, data: st.DataObject) -> None:
         """A fault at a step of the next process, within what it will have to do."""
@@ -304,6 +310,11 @@ class PollSimulation(RuleBasedStateMachine):
         SEARCH.examples += 1
         self.world = PollWorld()
         self.schedule: list[tuple[int, PollAction]] = []
+
+    @rule(on=st.booleans())
+    def linger(self, on: bool) -> None:
+        """From now on the producer holds its batches for linger.ms, or sends each at once."""
+        self.world.linger = on
 
     @rule(key=KEYS, count=st.integers(1, 5), during=DURING)
     def add(self, key: str, count: int, during: int | None) -> None:

@@ -17,6 +17,7 @@ from confluent_kafka import KafkaError
 from test_stream_loop import DEAD, Letters, Sink, Wal, acked_ids, backlog, first_seen, relay_on
 
 from cdc_relay.errors import DeliveryError
+from cdc_relay.kafka.routing import Message
 from cdc_relay.relay import linger
 from cdc_relay.relay.stream import StreamRelay
 
@@ -25,9 +26,19 @@ class Lingering(Sink):
     """librdkafka holding every batch open: a poll reports nothing; a flush (``settle``)
     sends and reports all it holds. ``settled`` is what the producer held at each flush."""
 
-    def __init__(self, on_ack: Callable[[Any], None], on_refused: Callable[..., None]) -> None:
+    def __init__(
+        self, on_ack: Callable[[Any], None], on_refused: Callable[..., None], wal: Wal
+    ) -> None:
         super().__init__(on_ack, on_refused)
+        self.wal = wal
         self.settled: list[int] = []
+        self.behind: list[bool] = []  # at each flush: the relay had not read all there was
+        self.per_event = 0.0  # seconds each offer takes: the pace of a slower relay
+
+    def offer(self, message: Message, token: Any) -> bool:
+        if self.per_event:
+            time.sleep(self.per_event)
+        return super().offer(message, token)
 
     def poll(self, timeout: float) -> None:
         self.hold_all = True
@@ -38,6 +49,8 @@ class Lingering(Sink):
 
     def settle(self, timeout: float) -> None:
         self.settled.append(len(self.queue))
+        holder = self.wal.holder
+        self.behind.append(holder is not None and not holder.caught_up)
         super().settle(timeout)
 
 
@@ -50,7 +63,7 @@ def transactions(count: int) -> list[bytes]:
 
 def lingering_relay(wal: Wal, **settings: Any) -> tuple[StreamRelay, Lingering]:
     relay, _ = relay_on(wal, **settings)
-    sink = Lingering(relay.pipeline._acked, relay.pipeline._refused)
+    sink = Lingering(relay.pipeline._acked, relay.pipeline._refused, wal)
     relay.pipeline.sink = relay.sink = sink
     return relay, sink
 
@@ -78,19 +91,41 @@ def test_a_quiet_stream_is_sent_once_its_first_event_waited_hold() -> None:
 
     sent = run_until_idle(relay, sink, wal)
 
-    assert len(wal.event_ids) < linger.QUIET * linger.HOLD
+    assert linger.quiet(True, len(wal.event_ids), linger.HOLD)
     assert sent == wal.event_ids, "the quiet stream's events waited for linger.ms"
     assert sink.settled[0] == len(wal.event_ids)
 
 
-def test_a_busy_stream_is_left_to_linger_ms_and_loses_nothing() -> None:
-    wal = Wal(backlog())  # 500 events read at once: far above linger.QUIET events/s
+@pytest.mark.parametrize("per_event", [0.0, 0.0005])
+def test_a_backlog_is_left_to_linger_ms_and_loses_nothing(per_event: float) -> None:
+    """Whatever the relay's pace: one that sends 2,000 events/s (``per_event`` 0.5 ms) drains
+    a backlog below linger.QUIET's rate, and a flush at each look would halve it."""
+    wal = Wal(backlog())  # 500 events waiting at once
     relay, sink = lingering_relay(wal)
+    sink.per_event = per_event
 
-    sent = run_until_idle(relay, sink, wal)
+    run_until_idle(relay, sink, wal)
 
-    assert sent == [], "a busy stream's batches were sent before they filled"
-    assert acked_ids(sink) == wal.event_ids  # the graceful stop's flush sent them, in order
+    assert not any(sink.behind), "a look flushed while the relay had not read all there was"
+    assert acked_ids(sink) == wal.event_ids  # in order, each once
+
+
+@pytest.mark.parametrize(
+    ("caught_up", "sent", "seconds", "expected"),
+    [
+        (True, 10, linger.HOLD, True),  # 3,333 events/s
+        (True, 29, linger.HOLD, True),  # 9,667
+        (True, 31, linger.HOLD, False),  # 10,333
+        (True, 100, linger.HOLD, False),  # 33,333
+        (True, 30, 0.1, True),  # a burst after a pause: 300 events/s
+        (False, 1, 1.0, False),  # a backlog: the relay has not read all the server sent
+        (True, 0, 0.0, False),
+    ],
+)
+def test_a_stream_is_quiet_when_read_to_its_end_and_under_10000_events_a_second(
+    caught_up: bool, sent: int, seconds: float, expected: bool
+) -> None:
+    assert linger.quiet(caught_up, sent, seconds) is expected
 
 
 # Delivery reports served inside the look's flush, not in the loop's poll (a no-context review
