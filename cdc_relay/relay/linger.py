@@ -8,14 +8,15 @@ each partition before it: at 5,000 events/s, p99 was 11.6 to 15.5 ms (bench/READ
 stream does not wait out linger.ms").
 
 So the stream loop notes when the first message since its last look came, and looks at its
-first tick ``HOLD`` or more after it (a read waits no longer than that). The stream is quiet
-if the relay has read all the server sent (never so in a backlog) and the events sent since
-the last look came at under ``QUIET`` events/s (the time of the look's own flush not counted).
-Then ``send_if_quiet`` asks librdkafka to send what it holds now: a flush, which sends every
-batch at once for as long as it runs, of at most ``HOLD``. A busy stream is left to
-``linger.ms``: its batches fill, and fewer, larger requests keep the broker's work down where
-the machine is busiest (a ``linger.ms`` of 5 raised p99 at 20,000 events/s on two cores,
-bench/README.md). The flush serves delivery reports as a poll does, on the loop's thread.
+first tick ``HOLD`` or more after it at which the relay has read all the server sent (a read
+waits no longer than that; never in a backlog, nor in the middle of a burst). The stream is
+quiet if the events sent since the last look came at under ``QUIET`` events/s (the time of
+the look's own flush not counted). Then ``send_if_quiet`` asks librdkafka to send what it
+holds now: a flush, which sends every batch at once for as long as it runs, of at most
+``HOLD``. A busy stream is left to ``linger.ms``: its batches fill, and fewer, larger
+requests keep the broker's work down where the machine is busiest (a ``linger.ms`` of 5
+raised p99 at 20,000 events/s on two cores, bench/README.md). The flush serves delivery
+reports as a poll does, on the loop's thread.
 
 The rate, not a count, tells a quiet stream: a steady 5,000 events/s comes in bursts (a
 writer's commits are not evenly spaced), and judged by 30 events in ``HOLD`` its p99 stayed at
@@ -40,11 +41,10 @@ shortens and the 20,000 whose batches should fill; also the most events the prod
 hold for a flush to be worth it (more is Kafka not answering, and the flush would only wait)."""
 
 
-def quiet(caught_up: bool, sent: int, seconds: float) -> bool:
-    """Whether a stream is quiet: the relay has read all the server sent (``caught_up``), and
-    ``sent`` events in ``seconds`` since the loop's last look came at under ``QUIET`` a
-    second."""
-    return caught_up and sent < QUIET * seconds
+def quiet(sent: int, seconds: float) -> bool:
+    """Whether a stream read to its end is quiet: ``sent`` events in the ``seconds`` since the
+    loop's last look came at under ``QUIET`` a second."""
+    return sent < QUIET * seconds
 
 
 def send_if_quiet(sink: Sink, quiet: bool) -> None:

@@ -321,8 +321,8 @@ class StreamRelay:
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
         # decoding it (bench/per_stage.py), and a few milliseconds change neither the LSN rule
         # nor the status interval. Without exactly once, the first tick linger.HOLD after the
-        # first message since its last look (``due``; a read waits no longer) also sends what
-        # the producer holds if the stream is quiet (linger.py).
+        # first message since its last look (``due``), once read to its end, sends what the
+        # producer holds if the stream is quiet (linger.py).
         next_tick = 0.0
         transactions = self._transactions
         lingers = transactions is None  # exactly once's commits send what it holds
@@ -363,9 +363,9 @@ class StreamRelay:
                     due = now + HOLD
                 if now < next_tick:
                     continue
-            if due and (now := time.monotonic()) >= due:
+            if due and conn.caught_up and (now := time.monotonic()) >= due:
                 sent, seconds = progress.events - looked, now - looked_at
-                send_if_quiet(self.sink, quiet(conn.caught_up, sent, seconds))
+                send_if_quiet(self.sink, quiet(sent, seconds))
                 due, looked, looked_at = 0.0, progress.events, time.monotonic()
             serve(0)
             self._caught_up = conn.caught_up
