@@ -47,7 +47,8 @@ def quiet(sent: int, seconds: float) -> bool:
     return sent < QUIET * seconds
 
 
-def send_if_quiet(sink: Sink, quiet: bool) -> None:
-    """Send what the producer holds now if the stream is ``quiet`` (the loop's look)."""
-    if quiet and 0 < sink.in_flight() < QUIET:
+def send_if_quiet(sink: Sink, sent: int, seconds: float) -> None:
+    """The loop's look at a stream read to its end: send what the producer holds now if
+    ``sent`` events in ``seconds`` make it quiet."""
+    if quiet(sent, seconds) and 0 < sink.in_flight() < QUIET:
         sink.settle(HOLD)

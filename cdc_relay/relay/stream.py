@@ -59,7 +59,7 @@ from cdc_relay.relay import stages
 from cdc_relay.relay.backoff import RECONNECT_MAX, reconnect_delay
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
-from cdc_relay.relay.linger import HOLD, quiet, send_if_quiet
+from cdc_relay.relay.linger import HOLD, send_if_quiet
 from cdc_relay.relay.losses import Losses
 from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
@@ -364,8 +364,7 @@ class StreamRelay:
                 if now < next_tick:
                     continue
             if due and conn.caught_up and (now := time.monotonic()) >= due:
-                sent, seconds = progress.events - looked, now - looked_at
-                send_if_quiet(self.sink, quiet(sent, seconds))
+                send_if_quiet(self.sink, progress.events - looked, now - looked_at)
                 due, looked, looked_at = 0.0, progress.events, time.monotonic()
             serve(0)
             self._caught_up = conn.caught_up
