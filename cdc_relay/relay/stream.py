@@ -59,7 +59,7 @@ from cdc_relay.relay import stages
 from cdc_relay.relay.backoff import RECONNECT_MAX, reconnect_delay
 from cdc_relay.relay.cut import ShardCut
 from cdc_relay.relay.kafka_transactions import KafkaTransactions, transactional_sink
-from cdc_relay.relay.linger import HOLD, send_if_quiet
+from cdc_relay.relay.linger import HOLD, Pace, send_if_quiet
 from cdc_relay.relay.losses import Losses
 from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
@@ -328,7 +328,7 @@ class StreamRelay:
         lingers = transactions is None  # exactly once's commits send what it holds
         due = 0.0
         progress = self.progress
-        looked, looked_at = progress.events, time.monotonic()  # at linger's last look
+        pace = Pace(progress.events, time.monotonic())  # the stream's rate, at linger's looks
         timeout = _READ_TIMEOUT
         while not self._stop:
             if transactions is not None:  # exactly once: as long as a transaction may wait
@@ -364,8 +364,8 @@ class StreamRelay:
                 if now < next_tick:
                     continue
             if due and conn.caught_up and (now := time.monotonic()) >= due:
-                send_if_quiet(self.sink, progress.events - looked, now - looked_at)
-                due, looked, looked_at = 0.0, progress.events, time.monotonic()
+                send_if_quiet(self.sink, pace, progress.events, now)
+                due = 0.0
             serve(0)
             self._caught_up = conn.caught_up
             self._send_status()
