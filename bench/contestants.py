@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import abc
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from bench import debezium
 from bench.sql import QUERIES
 from cdc_relay.devstack import DevstackError
 from cdc_relay.devstack.postgres import find_bindir
+from cdc_relay.postgres.shards import every_shard
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,10 @@ class Contestant(abc.ABC):
     @abc.abstractmethod
     def command(self, trial: Trial) -> tuple[list[str], dict[str, str]]:
         """The command line and the whole environment of the contestant's process."""
+
+    def slots(self, trial: Trial) -> list[str]:
+        """The slots the contestant reads."""
+        return [trial.slot]
 
 
 def _create_slot(trial: Trial, plugin: str) -> None:
@@ -155,8 +161,8 @@ class Stream(Contestant):
 
 
 class StreamShards(Contestant):
-    """``count`` relays of ``cdc-relay stream --shard K/count`` (bench/shards.py), on the
-    slots and publications ``cdc-relay setup-slot --shards count`` made."""
+    """``count`` relays of ``cdc-relay stream --shard K/count``, on the slots and publications
+    ``cdc-relay setup-slot --shards count`` made; one process tree (bench/shards.py)."""
 
     def __init__(self, name: str, count: int) -> None:
         self.name = name
@@ -176,10 +182,21 @@ class StreamShards(Contestant):
         if result.returncode != 0:
             raise RuntimeError(f"cdc-relay setup-slot failed: {result.stdout}{result.stderr}")
 
+    def slots(self, trial: Trial) -> list[str]:
+        return [shard.name(trial.slot) for shard in every_shard(self.count)]
+
     def command(self, trial: Trial) -> tuple[list[str], dict[str, str]]:
-        # By path: the trial's working folder is not the repository's.
-        launcher = Path(__file__).with_name("shards.py")
-        return [sys.executable, str(launcher), str(self.count)], _relay_env(trial)
+        shards = [
+            [sys.executable, "-m", "cdc_relay", "stream", "--shard", str(shard)]
+            for shard in every_shard(self.count)
+        ]
+        return _launch(shards), _relay_env(trial)
+
+
+def _launch(commands: list[list[str]]) -> list[str]:
+    """One process that runs ``commands`` side by side (bench/shards.py), by path: the trial's
+    working folder is not the repository's."""
+    return [sys.executable, str(Path(__file__).with_name("shards.py")), json.dumps(commands)]
 
 
 class Poll(Contestant):
@@ -267,20 +284,40 @@ class RecvLogical(Contestant):
         _create_slot(trial, "pgoutput")
 
     def command(self, trial: Trial) -> tuple[list[str], dict[str, str]]:
-        command = [
-            str(find_bindir() / "pg_recvlogical"),
-            f"--dbname={trial.dsn}",
-            f"--slot={trial.slot}",
-            "--start",
-            "--option=proto_version=1",
-            f"--option=publication_names={trial.publication}",
-            "--file=/dev/null",
-            "--status-interval=1",
-            "--no-loop",
+        return _recvlogical(trial, trial.slot, trial.publication), _clean_env()
+
+
+def _recvlogical(trial: Trial, slot: str, publication: str) -> list[str]:
+    command = [
+        str(find_bindir() / "pg_recvlogical"),
+        f"--dbname={trial.dsn}",
+        f"--slot={slot}",
+        "--start",
+        "--option=proto_version=1",
+        f"--option=publication_names={publication}",
+        "--file=/dev/null",
+        "--status-interval=1",
+        "--no-loop",
+    ]
+    if trial.end_lsn is not None:
+        command.append(f"--endpos={trial.end_lsn}")
+    return command
+
+
+class RecvLogicalShards(StreamShards, RecvLogical):
+    """The ceiling of ``count`` shards: ``pg_recvlogical`` on each shard's slot, whose
+    publication's row filter passes that shard's events. Each slot's walsender decodes the
+    whole WAL, and sends its share."""
+
+    def unavailable(self) -> str | None:
+        return RecvLogical.unavailable(self) or StreamShards.unavailable(self)
+
+    def command(self, trial: Trial) -> tuple[list[str], dict[str, str]]:
+        shards = [
+            _recvlogical(trial, shard.name(trial.slot), shard.name(trial.publication))
+            for shard in every_shard(self.count)
         ]
-        if trial.end_lsn is not None:
-            command.append(f"--endpos={trial.end_lsn}")
-        return command, _clean_env()
+        return _launch(shards), _clean_env()
 
 
 CONTESTANTS: list[Contestant] = [
@@ -292,6 +329,7 @@ CONTESTANTS: list[Contestant] = [
     Poll("poll-4", workers=4),
     Debezium("debezium"),
     RecvLogical("pg_recvlogical"),
+    RecvLogicalShards("pg_recvlogical-shards-2", count=2),
 ]
 """Every contestant, in the order they run and appear in the results. One that does not
 exist yet is listed all the same and reported "not available" until it does."""

@@ -319,7 +319,8 @@ def markdown(data: dict[str, Any]) -> str:
         "contestant stopped, divided by its events (a poller's UPDATEs count). "
         "pg_recvlogical is the ceiling: it reads the same kind of slot into "
         "/dev/null, delivers nothing to Kafka, so it has no latency; its backlog time runs to "
-        "its exit at the end LSN of the workload.",
+        "its exit at the end LSN of the workload; pg_recvlogical-shards-2 is two shards' ceiling, "
+        "one pg_recvlogical on each shard's slot, each walsender decoding the whole WAL.",
     ]
     out += _rounds_section(data)
     profile = data.get("profile")

@@ -1,34 +1,33 @@
-"""``python bench/shards.py N``: the N relays of a sharded outbox as one contestant.
+"""``python bench/shards.py COMMANDS``: the processes of a sharded outbox as one contestant.
 
-Starts ``cdc-relay stream --shard K/N`` for every K with the environment it was given, passes
-SIGTERM and SIGINT on to them, and exits when they all have (with the worst exit code). The
-harness measures this process's tree, so CPU and memory are the N relays' together.
+``COMMANDS`` is a JSON list of command lines, one per shard (``cdc-relay stream --shard K/N``,
+or ``pg_recvlogical`` on shard K's slot). Starts each with the environment it was given,
+passes SIGTERM and SIGINT on to them, and exits when they all have (with the worst exit
+code). The harness measures this process's tree, so CPU and memory are the shards' together.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 from types import FrameType
 
 
-def main(count: int) -> int:
-    relays = [
-        subprocess.Popen([sys.executable, "-m", "cdc_relay", "stream", "--shard", f"{k}/{count}"])
-        for k in range(count)
-    ]
+def main(commands: list[list[str]]) -> int:
+    shards = [subprocess.Popen(command) for command in commands]
 
     def forward(signum: int, frame: FrameType | None) -> None:
-        for relay in relays:
-            if relay.poll() is None:
-                relay.send_signal(signum)
+        for shard in shards:
+            if shard.poll() is None:
+                shard.send_signal(signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, forward)
-    codes = [relay.wait() for relay in relays]
+    codes = [shard.wait() for shard in shards]
     return max(codes, key=abs)
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main(json.loads(sys.argv[1])))

@@ -201,7 +201,7 @@ def _wait_ready(contestant: Contestant, process: Process, trial: Trial) -> None:
         finally:
             marks.close()
         return
-    while not _one(trial.dsn, "slot_active", slot=trial.slot):
+    while not all(_one(trial.dsn, "slot_active", slot=s) for s in contestant.slots(trial)):
         if not process.alive():
             raise _died(process, "while starting")
         if time.monotonic() > deadline:
@@ -288,8 +288,9 @@ def backlog(
     result: dict[str, Any] = {"write_s": round(seconds, 1), "stopped_cleanly": clean}
     result |= _figures(usage, db_cpu, wal_bytes, events)
     if not contestant.delivers_to_kafka:
-        if not _one(trial.dsn, "slot_confirmed_past", slot=trial.slot, lsn=trial.end_lsn):
-            raise TrialFailed(f"the slot was not confirmed up to {trial.end_lsn}")
+        for slot in contestant.slots(trial):
+            if not _one(trial.dsn, "slot_confirmed_past", slot=slot, lsn=trial.end_lsn):
+                raise TrialFailed(f"slot {slot} was not confirmed up to {trial.end_lsn}")
         drain = usage.wall_s
         return result | {
             "events_written": events,
@@ -369,7 +370,10 @@ def steady(
             _wait_delivered(process, trial, event_topics(trial), expected, say, reader)
         else:
             deadline = time.monotonic() + STALL_TIMEOUT
-            while not _one(trial.dsn, "slot_sent_past", slot=trial.slot, lsn=end_lsn):
+            while not all(
+                _one(trial.dsn, "slot_sent_past", slot=slot, lsn=end_lsn)
+                for slot in contestant.slots(trial)
+            ):
                 if not process.alive():
                     raise _died(process, "before reading up to the end of the workload")
                 if time.monotonic() > deadline:
