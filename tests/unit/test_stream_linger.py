@@ -162,6 +162,16 @@ def test_a_stream_is_judged_again_within_its_span() -> None:
     assert pace.quiet(1_040, 2.0)  # 40 events after a pause of a second
 
 
+def test_after_a_busy_stretch_a_pause_of_span_is_quiet_and_a_shorter_one_is_not() -> None:
+    """The price of the average (a no-context review of the look): the rate remembers a busy
+    stretch for about SPAN, so a transaction after a shorter pause waits out linger.ms."""
+    busy = [(200 * k, 0.004 * k) for k in range(1, 26)]  # 100 ms at 50,000 events/s
+    for pause, expected in ((linger.SPAN, True), (linger.SPAN / 2, False)):
+        pace = linger.Pace(0, 0.0)
+        assert not any([pace.quiet(events, now) for events, now in busy][1:])
+        assert pace.quiet(5_010, 0.100 + pause + linger.HOLD) is expected
+
+
 def test_a_look_at_the_same_instant_changes_nothing() -> None:
     pace = linger.Pace(0, 0.0)
     assert not pace.quiet(200, 0.004)  # 50,000 events/s, the whole span
