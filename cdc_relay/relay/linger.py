@@ -47,7 +47,7 @@ hold for a flush to be worth it (more is Kafka not answering, and the flush woul
 
 SPAN = 0.020
 """Seconds over which a look weighs the stream's rate. A writer's commits come in bursts, and
-over a look's window alone (3 to 5 ms) a steady 5,000 events/s looked busy at 7% of the looks,
+over a look's window alone (3 to 5 ms) a steady 5,000 events/s looked busy at 7.5% of the looks,
 whose events then waited out ``linger.ms``: the p99. Over 20 ms, bursts average out, and a
 stream that turns busy is known within a few looks. The price: a pause of ``SPAN`` or more is
 quiet at its next look, but the first transaction after a shorter pause in a busy stretch

@@ -140,10 +140,10 @@ def test_a_steady_stream_is_quiet_under_10000_events_a_second(
 
 
 def test_a_steady_5000_events_a_second_in_bursts_is_quiet_at_every_look() -> None:
-    """The bench's writer: four connections committing ten events each, so a steady 5,000
-    events/s reaches the relay 40 at a time, 8 ms apart. A look's window that holds a burst
-    saw 13,333 events/s; judged by it, 7% of the looks took the stream for a busy one and left
-    their events to linger.ms, which made the p99 (bench/README.md)."""
+    """A steady 5,000 events/s in bursts of 40, 8 ms apart: a look's window that holds a
+    burst sees 13,333 events/s. Judged by that window, 7.5% of the looks at the bench's steady
+    5,000 events/s (ten events a commit on four connections, commits bunching) took the stream
+    for a busy one and left their events to linger.ms, which made the p99 (bench/README.md)."""
     assert not linger.QUIET * 0.003 > 40  # the window alone says busy
     assert verdicts([(40, 0.003), (0, 0.005)]) == [True, True]
 
