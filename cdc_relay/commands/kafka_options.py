@@ -20,7 +20,7 @@ from cdc_relay.config import kafka_settings
 from cdc_relay.errors import UsageError
 from cdc_relay.kafka import cloudevents
 from cdc_relay.kafka.exactly_once import DEFAULT_CHECKPOINT_TOPIC
-from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template
+from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template, could_make, filled
 from cdc_relay.kafka.sink import producer_config
 from cdc_relay.kafka.topics import BROKER_DEFAULT, TopicSpec
 from cdc_relay.metrics import STALL_TIMEOUT, Health, serve
@@ -251,7 +251,8 @@ def kafka_options(
                 metavar="TOPIC=N",
                 callback=_partitions_for,
                 help="Partitions of one topic --create-topics makes, in place of "
-                "--topic-partitions; repeatable.",
+                "--topic-partitions; TOPIC is the topic's name as --topic-template makes it (or "
+                "the --dead-letter-topic); repeatable.",
             ),
             "--topic-replication-factor": env_option(
                 "--topic-replication-factor",
@@ -315,9 +316,10 @@ class WireOptions:
     topic_replication_factor: int | None
     topic_config: dict[str, str]
 
-    def topic_creation(self) -> TopicSpec | None:
+    def topic_creation(self, dead_letter_topic: str | None = None) -> TopicSpec | None:
         """How a missing topic is made (--create-topics); None without it. The --topic-*
-        options without it are refused: they would do nothing."""
+        options without it are refused: they would do nothing; so is a --topic-partitions-for
+        whose topic neither --topic-template nor ``dead_letter_topic`` names."""
         if not self.create_topics:
             given = [
                 name
@@ -335,6 +337,15 @@ class WireOptions:
                     "--create-topics (CDC_RELAY_CREATE_TOPICS=true) too, or leave them out"
                 )
             return None
+        for topic, count in self.topic_partitions_for.items():
+            if topic != dead_letter_topic and not could_make(self.topic_template, topic):
+                names = " and --dead-letter-topic name" if dead_letter_topic else " names"
+                raise UsageError(
+                    f"--topic-partitions-for {topic}={count}: --topic-template "
+                    f"{self.topic_template!r}{names} no topic {topic}, so it would do nothing; "
+                    f"give the topic's name (for the aggregate type {topic}: "
+                    f"{filled(self.topic_template, topic)}={count})"
+                )
         return TopicSpec(
             partitions=self.topic_partitions or BROKER_DEFAULT,
             replication_factor=self.topic_replication_factor or BROKER_DEFAULT,
@@ -349,7 +360,12 @@ class WireOptions:
         )
 
     def settings(
-        self, dsn: str, table: str, header_columns: tuple[str, ...] = (), **more: float
+        self,
+        dsn: str,
+        table: str,
+        header_columns: tuple[str, ...] = (),
+        dead_letter_topic: str | None = None,
+        **more: float,
     ) -> RelaySettings:
         """The settings every relay shares, for the outbox ``table`` of ``dsn``; ``more``:
         how it stops and reports (RelaySettings' defaults otherwise)."""
@@ -362,7 +378,7 @@ class WireOptions:
                 self.cloudevents_enabled, self.cloudevents_source, dsn, table, header_columns
             ),
             kafka_timeout=self.kafka_timeout,
-            topic_creation=self.topic_creation(),
+            topic_creation=self.topic_creation(dead_letter_topic),
             **more,
         )
 
@@ -386,12 +402,18 @@ class RelayOptions(WireOptions):
         return start_metrics(self.metrics_host, self.metrics_port)
 
     def settings(
-        self, dsn: str, table: str, header_columns: tuple[str, ...] = (), **more: float
+        self,
+        dsn: str,
+        table: str,
+        header_columns: tuple[str, ...] = (),
+        dead_letter_topic: str | None = None,
+        **more: float,
     ) -> RelaySettings:
         return super().settings(
             dsn,
             table,
             header_columns,
+            dead_letter_topic,
             shutdown_timeout=self.shutdown_timeout,
             progress_interval=self.progress_interval,
             **more,

@@ -165,7 +165,7 @@ def setup_slot(
             "--wait-failover-ready waits for a standby's copy of a failover slot: give it with "
             "--failover (and not --dry-run)"
         )
-    creation = wire.topic_creation()
+    creation = wire.topic_creation(dead_letter_topic)
     if creation is not None and not wire.kafka_bootstrap:
         raise UsageError("--create-topics creates topics in Kafka: give --kafka-bootstrap")
     if messages and (problem := writers_problem(dsn, message_writers)):
@@ -188,7 +188,7 @@ def setup_slot(
         """The settings of a job that publishes rows before it makes the slot."""
         logs.configure()
         return PollSettings(
-            **wire.settings(dsn, table, header_columns).shared(),
+            **wire.settings(dsn, table, header_columns, dead_letter_topic).shared(),
             table=table,
             trace_column=trace_column,
         )

@@ -151,7 +151,7 @@ def stream(
     health = relay.start()
     slot = shard.name(slot) if shard else slot
     settings = StreamSettings(
-        **relay.settings(dsn, tables[0], header_columns).shared(),
+        **relay.settings(dsn, tables[0], header_columns, dead_letter_topic).shared(),
         slot=slot,
         publication=shard.name(publication) if shard else publication,
         tables=tables,

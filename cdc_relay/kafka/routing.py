@@ -154,6 +154,20 @@ def check_template(template: str) -> str:
     return template
 
 
+def could_make(template: str, topic: str) -> bool:
+    """Whether ``template`` (a checked one) can name a topic ``topic``: its text as it is,
+    each field some text."""
+    pattern = "".join(
+        re.escape(text) + ("" if name is None else ".+") for text, name, _, _ in _fields(template)
+    )
+    return re.fullmatch(pattern, topic) is not None
+
+
+def filled(template: str, value: str) -> str:
+    """``template`` (a checked one) with every field ``value``: a topic it would name."""
+    return template.format_map(dict.fromkeys(TEMPLATE_FIELDS, value))
+
+
 class Router:
     """Routes events to topics; key = aggregate_id, value = the payload bytes as stored;
     headers: the event's own three, its header columns, its trace context (``traceparent``,

@@ -12,6 +12,7 @@ from cdc_relay.commands import poll as poll_command
 from cdc_relay.commands import stream as stream_command
 from cdc_relay.commands.cli import cli
 from cdc_relay.errors import UsageError
+from cdc_relay.kafka.routing import could_make
 from cdc_relay.kafka.topics import TopicSpec
 
 REQUIRED = ["--dsn", "host=db.invalid", "--kafka-bootstrap", "kafka.invalid:9092"]
@@ -56,10 +57,13 @@ def test_every_option_is_a_variable_too(command: str, monkeypatch: pytest.Monkey
     monkeypatch.setenv("CDC_RELAY_TOPIC_PARTITIONS", "6")
     monkeypatch.setenv("CDC_RELAY_TOPIC_REPLICATION_FACTOR", "-1")
     monkeypatch.setenv("CDC_RELAY_TOPIC_CONFIG", "retention.ms=1000 cleanup.policy=compact")
-    monkeypatch.setenv("CDC_RELAY_TOPIC_PARTITIONS_FOR", "a.b=1 c-d=2")
+    monkeypatch.setenv("CDC_RELAY_TOPIC_PARTITIONS_FOR", "outbox.event.a.b=1 outbox.event.c-d=2")
     spec = settings_of(monkeypatch, command, []).topic_creation
     assert spec == TopicSpec(
-        6, -1, {"retention.ms": "1000", "cleanup.policy": "compact"}, {"a.b": 1, "c-d": 2}
+        6,
+        -1,
+        {"retention.ms": "1000", "cleanup.policy": "compact"},
+        {"outbox.event.a.b": 1, "outbox.event.c-d": 2},
     )
 
 
@@ -122,6 +126,52 @@ def test_a_topic_option_without_create_topics_is_refused(command: str, args: lis
     message = str(result.exception)
     assert f"{args[0]} say how --create-topics makes a topic: give --create-topics" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("command", ["stream", "poll", "setup-slot"])
+def test_partitions_for_a_topic_the_template_never_names_is_refused(command: str) -> None:
+    """An aggregate type where its topic's name belongs matched no topic, and every topic got
+    --topic-partitions without a word."""
+    args = ["--create-topics", "--topic-partitions-for", "Order=24"]
+    result = CliRunner().invoke(cli, [command, *args, *REQUIRED])
+    assert isinstance(result.exception, UsageError), result.output
+    assert str(result.exception) == (
+        "--topic-partitions-for Order=24: --topic-template 'outbox.event.{aggregate_type}' "
+        "names no topic Order, so it would do nothing; give the topic's name (for the aggregate "
+        "type Order: outbox.event.Order=24)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("template", "topic", "named"),
+    [
+        ("outbox.event.{aggregate_type}", "outbox.event.Order", True),
+        ("outbox.event.{aggregate_type}", "outbox.event.", False),  # a field is never empty
+        ("outbox.event.{aggregate_type}", "Order", False),
+        ("outbox.event.{aggregate_type}", "outbox_event_Order", False),  # the dots as they are
+        ("{schema}.{table}.{event_type}", "public.outbox.created", True),
+        ("{schema}.{table}.{event_type}", "public.outbox", False),
+        ("events", "events", True),
+        ("events", "events2", False),
+        ("a{{b}}.{aggregate_type}", "a{b}.x", True),
+    ],
+)
+def test_which_topics_a_template_names(template: str, topic: str, named: bool) -> None:
+    assert could_make(template, topic) is named
+
+
+def test_the_dead_letter_topic_takes_its_own_partition_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = ["--create-topics", "--dead-letter-topic", "dl", "--topic-partitions-for", "dl=1"]
+    spec = settings_of(monkeypatch, "stream", args).topic_creation
+    assert spec.partitions_of("dl") == 1
+    other = ["--create-topics", "--dead-letter-topic", "dl", "--topic-partitions-for", "dlq=1"]
+    result = CliRunner().invoke(cli, ["stream", *other, *REQUIRED])
+    assert isinstance(result.exception, UsageError), result.output
+    assert "'outbox.event.{aggregate_type}' and --dead-letter-topic name no topic dlq" in str(
+        result.exception
+    )
 
 
 def test_setup_slot_creates_topics_only_with_a_broker() -> None:
