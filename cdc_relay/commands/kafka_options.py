@@ -20,7 +20,12 @@ from cdc_relay.config import kafka_settings
 from cdc_relay.errors import UsageError
 from cdc_relay.kafka import cloudevents
 from cdc_relay.kafka.exactly_once import DEFAULT_CHECKPOINT_TOPIC
-from cdc_relay.kafka.routing import DEFAULT_TOPIC_TEMPLATE, check_template, could_make, filled
+from cdc_relay.kafka.routing import (
+    DEFAULT_TOPIC_TEMPLATE,
+    aggregate_topic,
+    check_template,
+    could_make,
+)
 from cdc_relay.kafka.sink import producer_config
 from cdc_relay.kafka.topics import BROKER_DEFAULT, TopicSpec
 from cdc_relay.metrics import STALL_TIMEOUT, Health, serve
@@ -340,11 +345,12 @@ class WireOptions:
         for topic, count in self.topic_partitions_for.items():
             if topic != dead_letter_topic and not could_make(self.topic_template, topic):
                 names = " and --dead-letter-topic name" if dead_letter_topic else " names"
+                meant = aggregate_topic(self.topic_template, topic)
                 raise UsageError(
                     f"--topic-partitions-for {topic}={count}: --topic-template "
                     f"{self.topic_template!r}{names} no topic {topic}, so it would do nothing; "
-                    f"give the topic's name (for the aggregate type {topic}: "
-                    f"{filled(self.topic_template, topic)}={count})"
+                    "give the topic's name"
+                    + (f" (for the aggregate type {topic}: {meant}={count})" if meant else "")
                 )
         return TopicSpec(
             partitions=self.topic_partitions or BROKER_DEFAULT,

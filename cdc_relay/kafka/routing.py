@@ -163,9 +163,13 @@ def could_make(template: str, topic: str) -> bool:
     return re.fullmatch(pattern, topic) is not None
 
 
-def filled(template: str, value: str) -> str:
-    """``template`` (a checked one) with every field ``value``: a topic it would name."""
-    return template.format_map(dict.fromkeys(TEMPLATE_FIELDS, value))
+def aggregate_topic(template: str, aggregate_type: str) -> str | None:
+    """The topic ``template`` (a checked one) names for ``aggregate_type``, its other fields
+    shown as they are; None if it does not name topics by aggregate type."""
+    if not any(name == "aggregate_type" for _, name, _, _ in _fields(template)):
+        return None
+    shown = {name: "{" + name + "}" for name in TEMPLATE_FIELDS}
+    return template.format_map(shown | {"aggregate_type": aggregate_type})
 
 
 class Router:

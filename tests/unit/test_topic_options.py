@@ -143,6 +143,28 @@ def test_partitions_for_a_topic_the_template_never_names_is_refused(command: str
 
 
 @pytest.mark.parametrize(
+    ("template", "meant"),
+    [
+        ("{schema}.{table}.{aggregate_type}", "{schema}.{table}.Order=3)"),
+        ("{{x}}-{aggregate_type}", "{x}-Order=3)"),
+        ("{schema}.{table}", None),
+    ],
+)
+def test_the_refusal_shows_the_topic_of_the_aggregate_type_if_the_template_has_one(
+    template: str, meant: str | None
+) -> None:
+    args = ["--create-topics", "--topic-template", template, "--topic-partitions-for", "Order=3"]
+    result = CliRunner().invoke(cli, ["stream", *args, *REQUIRED])
+    assert isinstance(result.exception, UsageError), result.output
+    message = str(result.exception)
+    assert message.startswith(f"--topic-partitions-for Order=3: --topic-template {template!r}")
+    if meant is None:
+        assert message.endswith("so it would do nothing; give the topic's name")
+    else:
+        assert message.endswith(f"(for the aggregate type Order: {meant}")
+
+
+@pytest.mark.parametrize(
     ("template", "topic", "named"),
     [
         ("outbox.event.{aggregate_type}", "outbox.event.Order", True),
