@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
+from mypy_extensions import mypyc_attr
 
 from cdc_relay.errors import DeliveryError, KafkaUnavailableError, UsageError
 from cdc_relay.kafka.outage import KAFKA
@@ -164,6 +165,9 @@ def _header(headers: list[tuple[str, bytes]], name: str) -> str:
     return next((v.decode(errors="replace") for k, v in headers if k == name), "?")
 
 
+# Compiled (cdc_relay/compiled.py): offer and the delivery reports run per event. Exactly
+# once's sink extends it (transactional.py).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class KafkaSink:
     """Produces routed messages and reports each with the caller's token: ``on_ack`` when
     Kafka acknowledged it, ``on_refused`` when it did not (at once, from ``offer``, when the

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psycopg
+from mypy_extensions import mypyc_attr
 from psycopg import pq
 from psycopg.conninfo import make_conninfo
 
@@ -30,6 +31,8 @@ _KEEPALIVE = struct.Struct("!Qq?")  # WAL end, server clock, reply requested
 _STATUS = struct.Struct("!cQQQq?")  # 'r', written, flushed, applied, client clock, reply
 
 
+# Compiled (compiled.py), and extended by the poller's own lost connection (worker.py).
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ConnectionLost(RelayError):
     """The replication connection broke; the relay reconnects. ``server_error``: the server
     ended the stream with an ERROR of its own (which may come again on every attempt), not
@@ -43,12 +46,21 @@ class ConnectionLost(RelayError):
 
 
 # Per message: plain slotted dataclasses, never changed once made (a frozen one costs four
-# times as much to make).
-@dataclass(slots=True)
+# times as much to make). XLogData writes its own ``__init__``, as events.Insert does (why:
+# there).
+@dataclass(init=False, slots=True)
 class XLogData:
     wal_start: Lsn
     wal_end: Lsn
     data: bytes
+
+    def __init__(self, wal_start: Lsn, wal_end: Lsn, data: bytes) -> None:
+        self.wal_start = wal_start
+        self.wal_end = wal_end
+        self.data = data
+
+    def __reduce__(self) -> tuple[type[XLogData], tuple[Lsn, Lsn, bytes]]:
+        return (XLogData, (self.wal_start, self.wal_end, self.data))
 
 
 @dataclass(slots=True)
@@ -192,26 +204,47 @@ class ReplicationConnection:
 
     def read(self, timeout: float) -> XLogData | Keepalive | None:
         """The next message from the server, or None if none came within ``timeout`` seconds."""
+        message = self.read_now()
+        if message is not None or not self.caught_up:
+            return message
+        try:
+            readable, _, _ = select.select([self._conn.socket], [], [], timeout)
+        except (OSError, ValueError) as exc:
+            raise ConnectionLost(f"replication connection failed: {exc}") from None
+        if not readable:
+            return None
+        return self._received_now()
+
+    def read_now(self) -> XLogData | Keepalive | None:
+        """The next message if libpq holds it whole or the socket has more already, without
+        waiting; None otherwise, and ``caught_up`` when nothing at all was waiting."""
         conn = self._conn
         nbytes, data = conn.get_copy_data(1)
         self.caught_up = False
         if nbytes == 0:  # nothing whole in libpq's buffer: is more on the socket already?
             try:
                 readable, _, _ = select.select([conn.socket], [], [], 0)
-                if not readable:
-                    self.caught_up = True  # the relay read all the server sent so far
-                    readable, _, _ = select.select([conn.socket], [], [], timeout)
             except (OSError, ValueError) as exc:
                 raise ConnectionLost(f"replication connection failed: {exc}") from None
             if not readable:
+                self.caught_up = True  # the relay read all the server sent so far
                 return None
-            try:
-                conn.consume_input()
-            except Exception as exc:  # noqa: BLE001 - psycopg raises its own OperationalError
-                raise ConnectionLost(f"replication connection lost: {exc}") from None
-            nbytes, data = conn.get_copy_data(1)
-            if nbytes == 0:
-                return None
+            return self._received_now()
+        return self._message(nbytes, data)
+
+    def _received_now(self) -> XLogData | Keepalive | None:
+        """What the socket has: the next message if it completes one, else None."""
+        conn = self._conn
+        try:
+            conn.consume_input()
+        except Exception as exc:  # noqa: BLE001 - psycopg raises its own OperationalError
+            raise ConnectionLost(f"replication connection lost: {exc}") from None
+        nbytes, data = conn.get_copy_data(1)
+        if nbytes == 0:
+            return None
+        return self._message(nbytes, data)
+
+    def _message(self, nbytes: int, data: memoryview) -> XLogData | Keepalive:
         if nbytes < 0:
             self._raise_end()
         kind = data[0]

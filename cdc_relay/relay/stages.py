@@ -79,6 +79,9 @@ class Source(Protocol):
     def read(self, timeout: float) -> XLogData | Keepalive | None:
         """The next message, or None if none came within ``timeout`` seconds."""
 
+    def read_now(self) -> XLogData | Keepalive | None:
+        """The next message if it has come already, without waiting; None otherwise."""
+
     @property
     def caught_up(self) -> bool:
         """The last ``read`` found nothing waiting, neither whole in the client's buffer nor on

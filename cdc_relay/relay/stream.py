@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 
-from cdc_relay.errors import DecodeError, RelayError
+from cdc_relay.errors import RelayError
 from cdc_relay.kafka.checkpoints import KafkaCheckpoints
 from cdc_relay.kafka.deadletter import DeadLetterRefusals, DeadLetters, DeadLetterStore
 from cdc_relay.kafka.exactly_once import Committer, fitted
@@ -51,7 +51,7 @@ from cdc_relay.metrics import (
     Health,
 )
 from cdc_relay.postgres.connection import timeline_of
-from cdc_relay.postgres.replication import ConnectionLost, Keepalive, ReplicationConnection
+from cdc_relay.postgres.replication import ConnectionLost, ReplicationConnection, XLogData
 from cdc_relay.postgres.shards import Shard
 from cdc_relay.postgres.tables import OutboxTable
 from cdc_relay.postgres.watch import Watcher
@@ -64,6 +64,7 @@ from cdc_relay.relay.losses import Losses
 from cdc_relay.relay.lsn_tracker import Acknowledgements, LsnTracker
 from cdc_relay.relay.pipeline import Pipeline
 from cdc_relay.relay.preflight import check_database
+from cdc_relay.relay.reading import Reading
 from cdc_relay.relay.records import Progress, Records
 from cdc_relay.relay.rewinds import Rewinds
 from cdc_relay.relay.slot_connection import SlotConnection
@@ -155,7 +156,7 @@ class StreamRelay:
             self._acks,
             policy,
             tick=self._send_status,
-            give_up=lambda: self._stop,
+            give_up=lambda: self.stopped,
             before_alone=self._commit_now,
             after_alone=self._commit_alone,
         )
@@ -179,9 +180,7 @@ class StreamRelay:
         self.progress = Progress()
         self._published = EVENTS_PUBLISHED.labels(relay="stream")
         self._watcher: Watcher | None = None
-        self._stop = False
         self._shutting_down = False  # in the graceful stop: a refusal no longer rewinds
-        self._received: Lsn = 0
         self._caught_up = False  # at the loop's last tick: the relay had read all that came
         self._slot_confirmed: Lsn = 0  # the slot's position at start
         # Its parts: where a shard stands to its resharding cut, what the records mean, the
@@ -200,9 +199,12 @@ class StreamRelay:
             self.progress,
             self._acks.unacknowledged,
         )
+        self._reading = Reading(self._records)
         self._timeline = Timeline(settings, read_timeline, committer)
         self._losses = Losses(self.tracker)
-        self._standby = Standby(settings, self.health, self.sink, self._losses, lambda: self._stop)
+        self._standby = Standby(
+            settings, self.health, self.sink, self._losses, lambda: self.stopped
+        )
         self._connection = SlotConnection(
             settings,
             open_source,
@@ -211,14 +213,14 @@ class StreamRelay:
             standby=self._standby,
             losses=self._losses,
             health=self.health,
-            stopped=lambda: self._stop,
+            stopped=lambda: self.stopped,
             follow_timeline=self._follow_timeline,
         )
         self._status = Status(settings, self.tracker, self._cut, self.progress, self._connection)
 
     @property
     def stopped(self) -> bool:
-        return self._stop
+        return self._reading.stopping
 
     def _register_metrics(self) -> None:
         """Gauges read on scrape, from the relay's own state."""
@@ -253,7 +255,7 @@ class StreamRelay:
 
     def request_stop(self) -> None:
         """Stop reading, wait (bounded) for acks, confirm, return from ``run``. Signal-safe."""
-        self._stop = True
+        self._reading.stopping = True
 
     def run(self) -> None:
         """Stream until ``request_stop``; raise RelayError on a failure the user must fix."""
@@ -314,8 +316,8 @@ class StreamRelay:
         """Read the open stream and publish its events until stopped."""
         conn = self._connection.require()
         tracker = self.tracker
-        handle = self._records.handle
-        decode = self._records.decode
+        reading = self._reading
+        flow = reading.flow
         serve = self.pipeline.serve
         # Delivery reports, status updates and the watcher's verdict are looked at every
         # _TICK seconds, or at once when the stream pauses: per message they cost more than
@@ -330,7 +332,7 @@ class StreamRelay:
         progress = self.progress
         pace = Pace(progress.events, time.monotonic())  # the stream's rate, at linger's looks
         timeout = _READ_TIMEOUT
-        while not self._stop:
+        while not reading.stopping:
             if transactions is not None:  # exactly once: as long as a transaction may wait
                 timeout = transactions.read_timeout(_READ_TIMEOUT)
             elif due:
@@ -338,31 +340,18 @@ class StreamRelay:
             else:
                 timeout = _READ_TIMEOUT
             message = conn.read(timeout)
-            if message is None or isinstance(message, Keepalive):
-                next_tick = 0.0
-                if message is not None:
-                    self._received = max(self._received, message.wal_end)
-                    tracker.keepalive(message.wal_end)
-                    if message.reply_requested:
-                        self._send_status(force=True)
-            else:
-                if message.wal_end > self._received:
-                    self._received = message.wal_end
-                try:
-                    records = decode(message.data)
-                except DecodeError as exc:
-                    raise RelayError(
-                        f"cannot decode {self._records.plugin} message at "
-                        f"{format_lsn(message.wal_start)}: {exc}; this is a bug, please report "
-                        "it with the PostgreSQL and plugin versions"
-                    ) from None
-                for record in records:
-                    handle(record)
-                now = time.monotonic()
+            if isinstance(message, XLogData):
                 if lingers and not due:
-                    due = now + HOLD
-                if now < next_tick:
+                    due = time.monotonic() + HOLD
+                # it and those after it the connection holds already, until the tick
+                message = flow(conn, message, next_tick)
+                if message is None and time.monotonic() < next_tick:
                     continue
+            if message is not None:  # a keepalive
+                reading.received = max(reading.received, message.wal_end)
+                tracker.keepalive(message.wal_end)
+                if message.reply_requested:
+                    self._send_status(force=True)
             if due and conn.caught_up and (now := time.monotonic()) >= due:
                 send_if_quiet(self.sink, pace, progress.events, now)
                 due = 0.0
@@ -400,7 +389,7 @@ class StreamRelay:
         if acks:
             self._published.inc(acks)
             self.progress.acknowledged += acks
-        self._status.update(self._received, self._watcher, force)
+        self._status.update(self._reading.received, self._watcher, force)
 
     # -- the start ------------------------------------------------------------------------
 
@@ -445,7 +434,7 @@ class StreamRelay:
                 log.warning("%s; reading it again", lost, extra={"action": "disconnected"})
                 self._losses.count(lost)
                 self._connection.pause(reconnect_delay(self._losses.in_a_row))
-                if self._stop:
+                if self.stopped:
                     self._connection.close()
                     return False
                 continue
@@ -545,7 +534,7 @@ class StreamRelay:
         """The walsender hears from the relay while exactly once starts, confirming nothing;
         a connection lost meanwhile is the next read's to find."""
         with contextlib.suppress(ConnectionLost):
-            self._connection.require().send_status(self._received, 0)
+            self._connection.require().send_status(self._reading.received, 0)
 
     def _restart_decoding(self) -> None:
         """Forget open and unacknowledged transactions: the stream starts again from the

@@ -437,10 +437,16 @@ class SimConnection(Connection):
             self._fill()
             if not self.queue:
                 process.idle()
-        message = super().read(timeout)
+        return self._counted(super().read(timeout))
+
+    def read_now(self) -> XLogData | Keepalive | None:
+        self.process.step("read")
+        return self._counted(super().read_now())
+
+    def _counted(self, message: XLogData | Keepalive | None) -> XLogData | Keepalive | None:
         event = event_of(message)
         if event is not None:
-            process.world.reads[event] += 1
+            self.process.world.reads[event] += 1
         return message
 
     def send_status(self, written: Lsn, flushed: Lsn) -> None:

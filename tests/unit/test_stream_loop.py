@@ -194,6 +194,7 @@ class Connection:
         self.wal = wal
         self.queue: deque[XLogData | Keepalive | None] = deque()  # None: nothing for a moment
         self.caught_up = False  # nothing waited behind what the last read returned
+        self.queue_had = False  # the last read took something from the queue (None: a pause)
         self.closed = False
         self.terminated = False  # the server ended it (another relay took the slot over)
         self.lose_after: int | None = None
@@ -261,6 +262,22 @@ class Connection:
                 self.queue.append(XLogData(end, end, data))
 
     def read(self, timeout: float) -> XLogData | Keepalive | None:
+        message = self._take()
+        if message is not None or self.queue_had:
+            return message
+        wal = self.wal
+        wal.on_idle()
+        wal.clock.sleep(timeout)
+        return Keepalive(wal.end, reply_requested=False)
+
+    def read_now(self) -> XLogData | Keepalive | None:
+        if self.queue and self.queue[0] is None:
+            self.caught_up = True
+            return None  # a pause: the next read waits it out
+        return self._take()
+
+    def _take(self) -> XLogData | Keepalive | None:
+        """The next message, or None: a pause the test wrote (``queue_had``), or nothing yet."""
         wal = self.wal
         assert time.monotonic() - wal.born < wal.watchdog, "the loop did not end"
         assert not self.closed
@@ -277,14 +294,13 @@ class Connection:
         if not self.queue:
             self._fill()
         self.caught_up = len(self.queue) <= 1  # nothing waits behind what this read returns
+        self.queue_had = bool(self.queue)
         if self.queue:
             message = self.queue.popleft()
             if isinstance(message, XLogData) and message.data[:1] == b"C":
                 self.last_commit = message.wal_end
             return message
-        wal.on_idle()
-        wal.clock.sleep(timeout)
-        return Keepalive(wal.end, reply_requested=False)
+        return None
 
     def send_status(self, written: Lsn, flushed: Lsn) -> None:
         assert not self.closed
