@@ -11,6 +11,7 @@ each message cost as much as decoding it (bench/README.md, "The loop compiled").
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import final
 
 from cdc_relay.errors import DecodeError, RelayError
@@ -26,20 +27,24 @@ class Reading:
 
     ``received``: the highest WAL end of the messages read (a status update's write position).
     ``stopping``: set by the relay's stop (a signal); no message is handled after it.
+    ``clock``: the loop's, ``time.monotonic`` (the tests' virtual one: a compiled module's own
+    ``time`` cannot be patched).
     """
 
-    def __init__(self, records: Records) -> None:
+    def __init__(self, records: Records, clock: Callable[[], float] = time.monotonic) -> None:
         self._records = records
+        self._clock = clock
         self.received: Lsn = 0
         self.stopping = False
 
     def flow(self, source: Source, message: XLogData, until: float) -> Keepalive | None:
         """Handle ``message``, then each XLogData message ``source`` holds already, until
-        ``time.monotonic()`` reaches ``until`` or a stop; the keepalive that came next, if one
+        the clock reaches ``until`` or a stop; the keepalive that came next, if one
         did (the caller handles it)."""
         records = self._records
         decode = records.decode
         handle = records.handle
+        clock = self._clock
         while True:
             if message.wal_end > self.received:
                 self.received = message.wal_end
@@ -53,7 +58,7 @@ class Reading:
                 ) from None
             for record in decoded:
                 handle(record)
-            if self.stopping or time.monotonic() >= until:
+            if self.stopping or clock() >= until:
                 return None
             following = source.read_now()
             if not isinstance(following, XLogData):

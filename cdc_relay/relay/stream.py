@@ -199,7 +199,7 @@ class StreamRelay:
             self.progress,
             self._acks.unacknowledged,
         )
-        self._reading = Reading(self._records)
+        self._reading = Reading(self._records, time.monotonic)  # the loop's clock
         self._timeline = Timeline(settings, read_timeline, committer)
         self._losses = Losses(self.tracker)
         self._standby = Standby(

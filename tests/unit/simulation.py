@@ -414,6 +414,8 @@ Action = Fault | Write | KeepaliveSent  # what a schedule holds
 class SimConnection(Connection):
     """A process's replication connection: each call a step; what it hands over counted."""
 
+    flowed = 0  # messages handed over without a wait (read_now), every connection's
+
     def __init__(self, wal: Wal, process: Process) -> None:
         super().__init__(wal)
         self.process = process
@@ -441,7 +443,10 @@ class SimConnection(Connection):
 
     def read_now(self) -> XLogData | Keepalive | None:
         self.process.step("read")
-        return self._counted(super().read_now())
+        message = super().read_now()
+        if isinstance(message, XLogData):
+            SimConnection.flowed += 1
+        return self._counted(message)
 
     def _counted(self, message: XLogData | Keepalive | None) -> XLogData | Keepalive | None:
         event = event_of(message)
