@@ -69,6 +69,9 @@ compiled-check: install
 	$(MAKE) --no-print-directory dist-compiled DIST=build/compiled-dist
 	rm -rf $(COMPILED) && mkdir -p $(COMPILED)
 	$(PY) -m zipfile -e build/compiled-dist/cdc_relay-*.whl $(COMPILED)
+	# Byte-compiled, as pip does at install: with PYTHONDONTWRITEBYTECODE set, a relay started
+	# from it would otherwise compile its pure modules from source at every start.
+	$(PY) -m compileall -q $(COMPILED) > /dev/null
 	cd $(COMPILED) && ../../$(PY) -m cdc_relay --version | tee /dev/stderr | grep -q 'compiled (mypyc)'
 	cd $(COMPILED) && ../../$(PY) -m pytest -c ../../pyproject.toml --rootdir ../.. \
 		-p no:cacheprovider -n 2 --dist loadfile ../../tests/unit ../../tests/integration/test_golden.py \
