@@ -209,7 +209,7 @@ class ReplicationConnection:
             return message
         try:
             readable, _, _ = select.select([self._conn.socket], [], [], timeout)
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, psycopg.OperationalError) as exc:
             raise ConnectionLost(f"replication connection failed: {exc}") from None
         if not readable:
             return None
@@ -219,12 +219,12 @@ class ReplicationConnection:
         """The next message if libpq holds it whole or the socket has more already, without
         waiting; None otherwise, and ``caught_up`` when nothing at all was waiting."""
         conn = self._conn
-        nbytes, data = conn.get_copy_data(1)
+        nbytes, data = self._copy_data()
         self.caught_up = False
         if nbytes == 0:  # nothing whole in libpq's buffer: is more on the socket already?
-            try:
+            try:  # libpq without a socket any more: psycopg's OperationalError
                 readable, _, _ = select.select([conn.socket], [], [], 0)
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, psycopg.OperationalError) as exc:
                 raise ConnectionLost(f"replication connection failed: {exc}") from None
             if not readable:
                 self.caught_up = True  # the relay read all the server sent so far
@@ -239,10 +239,17 @@ class ReplicationConnection:
             conn.consume_input()
         except Exception as exc:  # noqa: BLE001 - psycopg raises its own OperationalError
             raise ConnectionLost(f"replication connection lost: {exc}") from None
-        nbytes, data = conn.get_copy_data(1)
+        nbytes, data = self._copy_data()
         if nbytes == 0:
             return None
         return self._message(nbytes, data)
+
+    def _copy_data(self) -> tuple[int, memoryview]:
+        """libpq's next whole message, its length 0 for none, -1 at the end of the stream."""
+        try:
+            return self._conn.get_copy_data(1)
+        except psycopg.OperationalError as exc:  # libpq's -2: the connection failed
+            raise ConnectionLost(f"replication connection lost: {exc}") from None
 
     def _message(self, nbytes: int, data: memoryview) -> XLogData | Keepalive:
         if nbytes < 0:

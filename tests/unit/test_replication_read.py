@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from test_stream_loop import Wal, backlog
 from test_stream_reading import opened, transactions
@@ -40,9 +41,12 @@ class Libpq:
         self.buffer = bytearray()
         self.status = replication.pq.ConnStatus.OK
         self.error_message = b""
+        self.failed = False  # libpq failed the connection: as psycopg says it
 
     @property
     def socket(self) -> int:
+        if self.failed:
+            raise psycopg.OperationalError("the connection is lost")
         return self._sock.fileno()
 
     def consume_input(self) -> None:
@@ -55,6 +59,8 @@ class Libpq:
             pass
 
     def get_copy_data(self, async_: int) -> tuple[int, memoryview | bytes]:
+        if self.failed:  # PQgetCopyData's -2
+            raise psycopg.OperationalError("consuming input failed: server closed the connection")
         if len(self.buffer) >= 4:
             (size,) = struct.unpack_from("!I", self.buffer)
             if size == 0xFFFFFFFF:
@@ -160,6 +166,18 @@ def test_a_closed_socket_is_a_lost_connection(
     server.close()
     with pytest.raises(ConnectionLost, match="replication connection lost"):
         conn.read(1.0)
+
+
+@pytest.mark.parametrize("how", ["read", "read_now"])
+def test_libpq_failing_the_connection_is_a_lost_connection(
+    stream: tuple[ReplicationConnection, socket.socket], how: str
+) -> None:
+    conn, _ = stream
+    libpq = conn._conn
+    assert isinstance(libpq, Libpq)
+    libpq.failed = True  # psycopg's OperationalError, from get_copy_data and from socket
+    with pytest.raises(ConnectionLost, match="replication connection lost: consuming input"):
+        conn.read(1.0) if how == "read" else conn.read_now()
 
 
 def test_a_flow_over_the_connection_handles_the_backlog_up_to_a_keepalive(
