@@ -28,6 +28,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]
 from cdc_relay.errors import DeliveryError, PreflightError
 from cdc_relay.kafka.checkpoints import Checkpoint
 from cdc_relay.kafka.exactly_once import TRANSACTION_TIMEOUT_MS, transaction_timeout_ms
+from cdc_relay.kafka.outage import KAFKA
 from cdc_relay.kafka.refusals import is_culprit
 from cdc_relay.kafka.sink import Acked, KafkaSink, Refused
 from cdc_relay.kafka.topics import Topics, client_settings
@@ -304,6 +305,8 @@ class TransactionalSink(KafkaSink):
     def _delivered(self, token: Any, err: KafkaError | None, _: Any) -> None:
         if err is None:
             self.connected = True
+            if KAFKA.since is not None:  # an append Kafka took: it is back (as KafkaSink's)
+                KAFKA.back()
             self._appended.append(token)  # acknowledged when the transaction commits
         else:
             if err.code() in (KafkaError._PURGE_QUEUE, KafkaError._PURGE_INFLIGHT):

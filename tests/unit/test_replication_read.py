@@ -41,11 +41,12 @@ class Libpq:
         self.buffer = bytearray()
         self.status = replication.pq.ConnStatus.OK
         self.error_message = b""
-        self.failed = False  # libpq failed the connection: as psycopg says it
+        self.copy_failed = False  # PQgetCopyData's -2, as psycopg raises it
+        self.dropped = False  # libpq dropped its socket (PQsocket -1), as psycopg raises it
 
     @property
     def socket(self) -> int:
-        if self.failed:
+        if self.dropped:
             raise psycopg.OperationalError("the connection is lost")
         return self._sock.fileno()
 
@@ -59,8 +60,10 @@ class Libpq:
             pass
 
     def get_copy_data(self, async_: int) -> tuple[int, memoryview | bytes]:
-        if self.failed:  # PQgetCopyData's -2
-            raise psycopg.OperationalError("consuming input failed: server closed the connection")
+        if self.copy_failed:
+            raise psycopg.OperationalError(
+                "receiving copy data failed: server closed the connection"
+            )
         if len(self.buffer) >= 4:
             (size,) = struct.unpack_from("!I", self.buffer)
             if size == 0xFFFFFFFF:
@@ -169,14 +172,17 @@ def test_a_closed_socket_is_a_lost_connection(
 
 
 @pytest.mark.parametrize("how", ["read", "read_now"])
+@pytest.mark.parametrize("where", ["get_copy_data", "socket"])
 def test_libpq_failing_the_connection_is_a_lost_connection(
-    stream: tuple[ReplicationConnection, socket.socket], how: str
+    stream: tuple[ReplicationConnection, socket.socket], how: str, where: str
 ) -> None:
+    """psycopg's OperationalError: libpq's -2 from PQgetCopyData, or no socket any more (what a
+    keep-alive's failed flush leaves: stream._keep_alive leaves it to the next read)."""
     conn, _ = stream
     libpq = conn._conn
     assert isinstance(libpq, Libpq)
-    libpq.failed = True  # psycopg's OperationalError, from get_copy_data and from socket
-    with pytest.raises(ConnectionLost, match="replication connection lost: consuming input"):
+    setattr(libpq, where.replace("get_copy_data", "copy_failed").replace("socket", "dropped"), True)
+    with pytest.raises(ConnectionLost, match=r"^replication connection (lost|failed): "):
         conn.read(1.0) if how == "read" else conn.read_now()
 
 

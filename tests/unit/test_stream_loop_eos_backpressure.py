@@ -12,6 +12,7 @@ nothing for a while after the first event.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ from simulation import Writer
 from test_stream_loop import Wal, backlog
 from test_stream_loop_eos import CHECKPOINTS, Kafka, eos_relay, real_sink
 
-from cdc_relay.kafka import exactly_once, transactional
+from cdc_relay.kafka import exactly_once, outage, transactional
 from cdc_relay.kafka import sink as kafka_sink
 from cdc_relay.kafka.checkpoints import Checkpoint
 from cdc_relay.kafka.exactly_once import ExactlyOnce
@@ -322,3 +323,26 @@ def test_a_refusal_during_the_stopping_commit_does_not_escape_the_stop(
 
     assert refused
     assert kafka.ids() == wal.event_ids[: len(kafka.ids())]
+
+
+def test_an_append_kafka_takes_after_an_outage_says_it_is_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As the at-least-once sink's acknowledgement does: the line that Kafka is back comes with
+    the first append it takes, not with the next statistics (every 5 s), which a relay that
+    stops first never reads (tests/integration/test_faults.py, the broker killed)."""
+    caplog.set_level(logging.INFO, logger="cdc_relay.kafka.outage")
+    kafka = Kafka()
+    coordinator = Coordinator(kafka, CHECKPOINTS)
+    monkeypatch.setattr(kafka_sink, "Producer", lambda config: Producer(coordinator, config))
+    sink = real_sink(kafka, lambda token: None, lambda token, err: None)
+    sink.initialise()
+    monkeypatch.setattr(outage.KAFKA, "since", None)
+    outage.KAFKA.failed("TxnCoordinator: Connect to ipv4#127.0.0.1:9092 failed")
+    assert outage.KAFKA.down
+
+    assert sink.offer(Message("t", b"0", b"k", []), 0)
+    sink.poll(0.1)  # the partition added to the transaction, the append sent and reported
+
+    assert not outage.KAFKA.down
+    assert any("Kafka reachable again" in r.getMessage() for r in caplog.records)
