@@ -25,9 +25,9 @@ MODULES = (
     "cdc_relay/relay/reading.py",
 )
 """Every event passes through these: reading the replication stream, decoding, mapping, routing,
-the pipeline's per-event work and the LSN tracker. The loop around them (relay/stream.py) runs
-once per tick of a few milliseconds, not per message (reading.py), and stays Python (measured:
-bench/README.md, "Compiled")."""
+the pipeline's per-event work, the Kafka sink's produce and delivery report, and the LSN
+tracker. The loop around them (relay/stream.py) runs once per tick of a few milliseconds, not
+per message (reading.py), and stays Python (measured: bench/README.md, "Compiled")."""
 
 
 def build() -> str:
