@@ -534,10 +534,11 @@ def test_a_stop_while_a_new_topic_waits_for_a_stalled_kafka_is_prompt_and_loses_
         written = first + waiting
         received = consume(broker.bootstrap, prefix, len(written), SECONDS, settle=1)
         assert relay.stop() == 0, relay.log()[-3000:]
+        log = relay.log()  # the restarted relay's too: what it saw of the broker resumed
     finally:
         relay.close()
     verdict = check(written, received, prefix)
-    assert not verdict.lost and not verdict.mismatched, verdict
+    assert not verdict.lost and not verdict.mismatched, f"{verdict}\n{log[-5000:]}"
     assert_made_as_asked(broker.bootstrap, f"{prefix}.customer", 5)
 
 
