@@ -207,30 +207,29 @@ class ReplicationConnection:
         message = self.read_now()
         if message is not None or not self.caught_up:
             return message
-        try:
-            readable, _, _ = select.select([self._conn.socket], [], [], timeout)
-        except (OSError, ValueError, psycopg.OperationalError) as exc:
-            raise ConnectionLost(f"replication connection failed: {exc}") from None
-        if not readable:
+        if not self._readable(timeout):
             return None
         return self._received_now()
 
     def read_now(self) -> XLogData | Keepalive | None:
         """The next message if libpq holds it whole or the socket has more already, without
         waiting; None otherwise, and ``caught_up`` when nothing at all was waiting."""
-        conn = self._conn
         nbytes, data = self._copy_data()
         self.caught_up = False
         if nbytes == 0:  # nothing whole in libpq's buffer: is more on the socket already?
-            try:  # libpq without a socket any more: psycopg's OperationalError
-                readable, _, _ = select.select([conn.socket], [], [], 0)
-            except (OSError, ValueError, psycopg.OperationalError) as exc:
-                raise ConnectionLost(f"replication connection failed: {exc}") from None
-            if not readable:
+            if not self._readable(0):
                 self.caught_up = True  # the relay read all the server sent so far
                 return None
             return self._received_now()
         return self._message(nbytes, data)
+
+    def _readable(self, timeout: float) -> bool:
+        """Whether the socket has something within ``timeout`` seconds."""
+        try:  # libpq without a socket any more: psycopg's OperationalError
+            readable, _, _ = select.select([self._conn.socket], [], [], timeout)
+        except (OSError, ValueError, psycopg.OperationalError) as exc:
+            raise ConnectionLost(f"replication connection failed: {exc}") from None
+        return bool(readable)
 
     def _received_now(self) -> XLogData | Keepalive | None:
         """What the socket has: the next message if it completes one, else None."""

@@ -172,16 +172,16 @@ def test_a_closed_socket_is_a_lost_connection(
 
 
 @pytest.mark.parametrize("how", ["read", "read_now"])
-@pytest.mark.parametrize("where", ["get_copy_data", "socket"])
+@pytest.mark.parametrize("failure", ["copy_failed", "dropped"])
 def test_libpq_failing_the_connection_is_a_lost_connection(
-    stream: tuple[ReplicationConnection, socket.socket], how: str, where: str
+    stream: tuple[ReplicationConnection, socket.socket], how: str, failure: str
 ) -> None:
     """psycopg's OperationalError: libpq's -2 from PQgetCopyData, or no socket any more (what a
     keep-alive's failed flush leaves: stream._keep_alive leaves it to the next read)."""
     conn, _ = stream
     libpq = conn._conn
     assert isinstance(libpq, Libpq)
-    setattr(libpq, where.replace("get_copy_data", "copy_failed").replace("socket", "dropped"), True)
+    setattr(libpq, failure, True)
     with pytest.raises(ConnectionLost, match=r"^replication connection (lost|failed): "):
         conn.read(1.0) if how == "read" else conn.read_now()
 
